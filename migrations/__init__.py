@@ -1,0 +1,1 @@
+"""Alembic migrations for the ledger (run with ``lastevent migrate``)."""

@@ -1,0 +1,1 @@
+"""lastevent: an OpenAI-compatible serving front end with event-sourced token streams."""

@@ -1,0 +1,1 @@
+"""Thin Litestar controllers over the request service."""

@@ -1,0 +1,117 @@
+"""POST /v1/chat/completions and POST /v1/completions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Controller, Response, post
+from litestar.response import Stream
+
+from service.api.schemas import ChatCompletionRequest, CompletionRequest, message_dicts
+from service.errors import ApiError, InvalidRequest
+from service.requests import (
+    Context,
+    Submission,
+    check_max_tokens,
+    check_stop,
+    collect,
+    sse_frames,
+    submit,
+)
+from service.stream import sse
+from service.stream.events import Kind, State
+from service.stream.render import error_object
+
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+def _check_common(ctx: Context, body: ChatCompletionRequest | CompletionRequest) -> None:
+    if body.model != ctx.model.name:
+        raise InvalidRequest(
+            f"the model '{body.model}' does not exist; this server serves '{ctx.model.name}'",
+            param="model",
+            code="model_not_found",
+        )
+    if body.n != 1:
+        raise InvalidRequest(f"n is {body.n}; only n=1 is supported", param="n")
+
+
+def _submission(
+    ctx: Context,
+    body: ChatCompletionRequest | CompletionRequest,
+    kind: Kind,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+) -> Submission:
+    settings = ctx.settings
+    ctx_len = min(ctx.model.max_model_len, settings.max_model_len)
+    return Submission(
+        kind=kind,
+        prompt_token_ids=prompt_ids,
+        max_tokens=check_max_tokens(max_tokens, len(prompt_ids), settings, ctx_len),
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        seed=body.seed,
+        stop=check_stop(body.stop),
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+    )
+
+
+async def _answer(ctx: Context, body: Any, sub: Submission) -> Response[Any] | Stream:
+    rid, created = await submit(ctx, sub, body.model)
+    headers = {REQUEST_ID_HEADER: rid}
+    if body.stream:
+        return Stream(
+            sse_frames(ctx, rid, created),
+            media_type=sse.MEDIA_TYPE,
+            headers={**sse.HEADERS, **headers},
+        )
+    agg = await collect(ctx, rid, created)
+    if agg.end is not None and agg.end.state == State.ERRORED:
+        err = agg.error
+        content = error_object(err) if err else ApiError("the request failed").body()
+        return Response(content, status_code=500, headers=headers)
+    return Response(agg.response(), headers=headers)
+
+
+class CompletionsController(Controller):
+    path = "/v1"
+    tags = ["completions"]
+
+    @post("/chat/completions", status_code=200, summary="Create a chat completion")
+    async def chat(self, ctx: Context, data: ChatCompletionRequest) -> Response[Any] | Stream:
+        _check_common(ctx, data)
+        if not data.messages:
+            raise InvalidRequest("'messages' must not be empty", param="messages")
+        try:
+            text = ctx.model.render_chat(message_dicts(data.messages))
+        except Exception as exc:  # the model's template rejects the conversation
+            raise InvalidRequest(f"invalid messages: {exc}", param="messages") from None
+        prompt_ids = ctx.model.encode(text)
+        max_tokens = data.max_completion_tokens or data.max_tokens
+        return await _answer(ctx, data, _submission(ctx, data, Kind.CHAT, prompt_ids, max_tokens))
+
+    @post("/completions", status_code=200, summary="Create a text completion")
+    async def completions(self, ctx: Context, data: CompletionRequest) -> Response[Any] | Stream:
+        _check_common(ctx, data)
+        prompt = data.prompt
+        if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+            if len(prompt) != 1:
+                raise InvalidRequest("only one prompt per request is supported", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            prompt_ids = ctx.model.encode(prompt)
+        else:
+            vocab = ctx.model.tokenizer.get_vocab_size()
+            bad = [t for t in prompt if not 0 <= int(t) < vocab]
+            if bad:
+                raise InvalidRequest(
+                    f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})",
+                    param="prompt",
+                )
+            prompt_ids = [int(t) for t in prompt]
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        return await _answer(
+            ctx, data, _submission(ctx, data, Kind.TEXT, prompt_ids, data.max_tokens)
+        )

@@ -1,0 +1,59 @@
+"""Public request schemas (OpenAI's field names), decoded and validated by msgspec."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+NonNegFloat = Annotated[float, Meta(ge=0.0)]
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    user: str | None = None
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: str | list[str] | list[int]
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them (text parts joined)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if isinstance(m.content, list):
+            content = "".join(p.text or "" for p in m.content if p.type == "text")
+        else:
+            content = m.content or ""
+        out.append({"role": m.role, "content": content})
+    return out

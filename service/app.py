@@ -1,0 +1,98 @@
+"""create_app(settings) -> Litestar. The lifespan owns the Redis pool, the DB engine,
+the multiplexed log tailer and the tokenizer."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from litestar import Litestar, Request, Response
+from litestar.di import Provide
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi import OpenAPIConfig
+from redis.asyncio import Redis
+
+from service.api.completions import CompletionsController
+from service.api.requests import RequestsController
+from service.api.system import SystemController
+from service.db.ledger import Ledger, make_engine
+from service.errors import ApiError
+from service.keys import Keys
+from service.queue import RequestQueue
+from service.redis_log import RedisLog
+from service.requests import Context
+from service.settings import Settings
+from service.tail import LogTailer
+from service.tokenize import ModelInfo
+
+
+def _error_response(exc: ApiError) -> Response[Any]:
+    return Response(exc.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+def _api_error(_: Request[Any, Any, Any], exc: ApiError) -> Response[Any]:
+    return _error_response(exc)
+
+
+def _http_error(_: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
+    """Litestar's own errors (validation, 404 routes, 413) in OpenAI's error shape."""
+    status = exc.status_code
+    message = exc.detail
+    param = None
+    if isinstance(exc, ValidationException) and isinstance(exc.extra, list) and exc.extra:
+        first = exc.extra[0]
+        if isinstance(first, dict):
+            message = f"{exc.detail}: {first.get('message', '')}".rstrip(": ")
+            param = str(first.get("key") or "") or None
+    kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return Response(body, status_code=status, headers=dict(exc.headers or {}))
+
+
+def create_app(settings: Settings) -> Litestar:
+    model = ModelInfo.load(settings.resolved_model_dir, settings.model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        if not settings.redis_url:
+            raise RuntimeError("LASTEVENT_REDIS_URL is not set (use `lastevent up` for embedded)")
+        redis = Redis.from_url(settings.redis_url, max_connections=256)
+        keys = Keys(settings.key_prefix)
+        tailer = LogTailer(
+            redis, keys, block_ms=settings.tail_block_ms, count=settings.tail_count
+        )
+        engine = make_engine(settings.database_url) if settings.database_url else None
+        app.state.ctx = Context(
+            settings=settings,
+            redis=redis,
+            log=RedisLog(redis, keys),
+            queue=RequestQueue(redis, keys),
+            tailer=tailer,
+            model=model,
+            ledger=Ledger(engine) if engine else None,
+        )
+        await tailer.start()
+        try:
+            yield
+        finally:
+            await tailer.stop()
+            if engine is not None:
+                await engine.dispose()
+            await redis.aclose()
+
+    def provide_ctx(request: Request[Any, Any, Any]) -> Context:
+        ctx: Context = request.app.state.ctx
+        return ctx
+
+    return Litestar(
+        route_handlers=[CompletionsController, RequestsController, SystemController],
+        dependencies={"ctx": Provide(provide_ctx, sync_to_thread=False)},
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error},
+        lifespan=[lifespan],
+        request_max_body_size=settings.max_body_bytes,
+        openapi_config=OpenAPIConfig(title="lastevent", version="0.1.0", path="/schema"),
+        type_encoders={msgspec.Struct: msgspec.to_builtins},
+        debug=False,
+    )

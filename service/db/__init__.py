@@ -1,0 +1,1 @@
+"""Postgres: SQLAlchemy models, the billing ledger (idempotent upserts)."""

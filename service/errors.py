@@ -1,0 +1,68 @@
+"""The API's errors, each with its HTTP status and OpenAI error ``type``.
+
+    ApiError                      -- base; rendered as {"error": {message, type, param, code}}
+    ├── InvalidRequest      400   -- bad parameter: names the parameter, limit, observed value
+    ├── NotFound            404   -- unknown request id (or another tenant's: same answer)
+    ├── PayloadTooLarge     413   -- body over the size limit
+    └── ServiceUnavailable  503   -- dependency down / over capacity; carries Retry-After
+
+Errors *after* the first streamed byte are not exceptions: they are ``error``
+events in the log, rendered in band (see ``service/stream/render.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ApiError(Exception):
+    status_code = 500
+    error_type = "server_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class InvalidRequest(ApiError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class NotFound(ApiError):
+    status_code = 404
+    error_type = "not_found_error"
+
+
+class PayloadTooLarge(ApiError):
+    status_code = 413
+    error_type = "invalid_request_error"
+
+
+class ServiceUnavailable(ApiError):
+    status_code = 503
+    error_type = "service_unavailable"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.headers.setdefault("Retry-After", str(retry_after_s))

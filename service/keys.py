@@ -1,0 +1,36 @@
+"""Every Redis key the project uses, in one place.
+
+Per-request keys share the hash tag ``{<request id>}`` so that a request's log
+and meta live in one Redis Cluster slot (the Lua scripts touch both). Units are
+in the names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+QUEUE_GROUP = "workers"  # the consumer group every worker joins
+EVENT_FIELD = b"e"  # the one field of each log entry: a msgpack-encoded event
+JOB_FIELD = b"j"  # the one field of each queue entry: a msgpack-encoded job
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Keys:
+    prefix: str = "le"
+
+    @property
+    def queue(self) -> str:
+        """The request queue (a stream; consumer group ``workers``)."""
+        return f"{self.prefix}:queue"
+
+    def log(self, request_id: str) -> str:
+        """The request's event log (a stream)."""
+        return f"{self.prefix}:{{{request_id}}}:log"
+
+    def meta(self, request_id: str) -> str:
+        """The request's control hash: owner epoch, owner, state, last event id."""
+        return f"{self.prefix}:{{{request_id}}}:meta"
+
+    def wake(self, process_id: str) -> str:
+        """A per-API-process stream used to wake its multiplexed XREAD BLOCK."""
+        return f"{self.prefix}:wake:{process_id}"

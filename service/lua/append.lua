@@ -1,0 +1,26 @@
+-- Fenced append: XADD events only if the caller still owns the request.
+-- KEYS[1] meta, KEYS[2] log
+-- ARGV[1] owner epoch, ARGV[2] terminal state ('' if not terminal),
+-- ARGV[3] TTL in seconds applied to both keys when terminal, ARGV[4..] encoded events
+-- Returns the new entry ids; errors FENCED (not the owner) or ENDED (already terminal).
+local meta = redis.call('HMGET', KEYS[1], 'epoch', 'state')
+if meta[1] ~= ARGV[1] then
+  return redis.error_reply('FENCED owner epoch is ' .. tostring(meta[1]) .. ', not ' .. ARGV[1])
+end
+local state = meta[2]
+if state == 'finished' or state == 'cancelled' or state == 'abandoned' or state == 'errored' then
+  return redis.error_reply('ENDED request already ' .. state)
+end
+local ids = {}
+for i = 4, #ARGV do
+  ids[#ids + 1] = redis.call('XADD', KEYS[2], '*', 'e', ARGV[i])
+end
+if #ids > 0 then
+  redis.call('HSET', KEYS[1], 'last', ids[#ids])
+end
+if ARGV[2] ~= '' then
+  redis.call('HSET', KEYS[1], 'state', ARGV[2])
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
+  redis.call('EXPIRE', KEYS[2], ARGV[3])
+end
+return ids

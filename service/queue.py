@@ -1,0 +1,64 @@
+"""The request queue: a Redis Stream read by the consumer group ``workers``.
+
+The API enqueues a ``Job`` after it created the request's log. A worker acks
+the job only after the request's terminal event is in the log, so a job whose
+worker died stays pending and can be claimed by another worker.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from service.keys import JOB_FIELD, QUEUE_GROUP, Keys
+
+
+class Job(msgspec.Struct, array_like=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = []
+    deadline_unix_s: float = 0.0  # 0: none
+
+
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(Job)
+
+
+class RequestQueue:
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+
+    async def ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(self.keys.queue, QUEUE_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def enqueue(self, job: Job) -> bytes:
+        return await self.redis.xadd(self.keys.queue, {JOB_FIELD: _enc.encode(job)})
+
+    async def read(self, consumer: str, count: int, block_ms: int) -> list[tuple[bytes, Job]]:
+        reply = await self.redis.xreadgroup(
+            QUEUE_GROUP, consumer, {self.keys.queue: ">"}, count=count, block=block_ms
+        )
+        out: list[tuple[bytes, Job]] = []
+        for _key, entries in reply or []:
+            for entry_id, fields in entries:
+                out.append((entry_id, _dec.decode(fields[JOB_FIELD])))
+        return out
+
+    async def ack(self, entry_id: bytes) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xack(self.keys.queue, QUEUE_GROUP, entry_id)
+        pipe.xdel(self.keys.queue, entry_id)
+        await pipe.execute()
+
+    async def depth(self) -> int:
+        return int(await self.redis.xlen(self.keys.queue))

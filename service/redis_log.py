@@ -1,0 +1,246 @@
+"""The only Redis I/O for request logs: create, claim, fenced append, read.
+
+The atomic parts are Lua scripts shipped as package files (``service/lua``).
+``AppendBatcher`` is how a worker writes: every append made while the previous
+round trip was in flight goes out in the next one, as one pipeline, so all of
+one engine step's deltas -- for every request the worker runs -- cost one round
+trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Sequence
+from importlib import resources
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from service.keys import EVENT_FIELD, Keys
+from service.stream import events as ev
+from service.stream.ids import EventId
+
+
+class LogError(Exception):
+    """Base of the log's errors."""
+
+
+class Fenced(LogError):
+    """The caller no longer owns the request (another worker took it over)."""
+
+
+class AlreadyEnded(LogError):
+    """The request already has its terminal event."""
+
+
+class RequestExists(LogError):
+    """A log with this request id already exists."""
+
+
+def _script(name: str) -> str:
+    return resources.files("service").joinpath("lua", name).read_text()
+
+
+def _decode_id(raw: bytes | str) -> EventId:
+    return EventId.parse(raw.decode() if isinstance(raw, bytes) else raw)
+
+
+def _entries(raw: Sequence[tuple[bytes, dict[bytes, bytes]]]) -> list[tuple[EventId, ev.Event]]:
+    return [(_decode_id(entry_id), ev.decode(fields[EVENT_FIELD])) for entry_id, fields in raw]
+
+
+def _map_error(exc: ResponseError) -> LogError | ResponseError:
+    text = str(exc)
+    if text.startswith("FENCED"):
+        return Fenced(text)
+    if text.startswith("ENDED"):
+        return AlreadyEnded(text)
+    if text.startswith("EXISTS"):
+        return RequestExists(text)
+    return exc
+
+
+@dataclasses.dataclass(slots=True)
+class RequestMeta:
+    state: str
+    epoch: int
+    owner: str | None
+    last_event_id: str | None
+
+
+class RedisLog:
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+        self._create = redis.register_script(_script("create.lua"))
+        self._claim = redis.register_script(_script("claim.lua"))
+        self.append_script = redis.register_script(_script("append.lua"))
+
+    async def create(self, request_id: str, created: ev.Created, safety_ttl_s: int) -> EventId:
+        keys = [self.keys.meta(request_id), self.keys.log(request_id)]
+        try:
+            raw = await self._create(keys=keys, args=[ev.encode(created), safety_ttl_s])
+        except ResponseError as exc:
+            raise _map_error(exc) from None
+        return _decode_id(raw)
+
+    async def claim(self, request_id: str, worker_id: str) -> int | None:
+        """Become the owner; ``None`` if the request is unknown or already ended."""
+        epoch = int(await self._claim(keys=[self.keys.meta(request_id)], args=[worker_id]))
+        return epoch if epoch > 0 else None
+
+    async def append(
+        self,
+        request_id: str,
+        epoch: int,
+        events: Sequence[ev.Event],
+        *,
+        terminal_state: str = "",
+        ttl_s: int = 0,
+    ) -> list[EventId]:
+        keys, args = self.append_args(request_id, epoch, events, terminal_state, ttl_s)
+        try:
+            raw = await self.append_script(keys=keys, args=args)
+        except ResponseError as exc:
+            raise _map_error(exc) from None
+        return [_decode_id(r) for r in raw]
+
+    def append_args(
+        self,
+        request_id: str,
+        epoch: int,
+        events: Sequence[ev.Event],
+        terminal_state: str,
+        ttl_s: int,
+    ) -> tuple[list[str], list[bytes | str | int]]:
+        keys = [self.keys.meta(request_id), self.keys.log(request_id)]
+        args: list[bytes | str | int] = [str(epoch), terminal_state, ttl_s]
+        args.extend(ev.encode(e) for e in events)
+        return keys, args
+
+    async def exists(self, request_id: str) -> bool:
+        return bool(await self.redis.exists(self.keys.log(request_id)))
+
+    async def meta(self, request_id: str) -> RequestMeta | None:
+        raw = await self.redis.hgetall(self.keys.meta(request_id))
+        if not raw:
+            return None
+        owner = raw.get(b"owner")
+        last = raw.get(b"last")
+        return RequestMeta(
+            state=raw.get(b"state", b"").decode(),
+            epoch=int(raw.get(b"epoch", b"0")),
+            owner=owner.decode() if owner else None,
+            last_event_id=last.decode() if last else None,
+        )
+
+    async def read(
+        self, request_id: str, after: EventId | None = None, count: int | None = None
+    ) -> list[tuple[EventId, ev.Event]]:
+        start = "-" if after is None else f"({after}"
+        raw = await self.redis.xrange(self.keys.log(request_id), min=start, count=count)
+        return _entries(raw)
+
+    async def first(self, request_id: str) -> ev.Created | None:
+        entries = await self.read(request_id, count=1)
+        if not entries or not isinstance(entries[0][1], ev.Created):
+            return None
+        return entries[0][1]
+
+    async def last(self, request_id: str) -> tuple[EventId, ev.Event] | None:
+        raw = await self.redis.xrevrange(self.keys.log(request_id), count=1)
+        entries = _entries(raw)
+        return entries[0] if entries else None
+
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    request_id: str
+    epoch: int
+    events: Sequence[ev.Event]
+    terminal_state: str
+    ttl_s: int
+    future: asyncio.Future[list[EventId]]
+
+
+class AppendBatcher:
+    """Group commit for a worker's appends: one pipelined round trip per flush."""
+
+    def __init__(self, log: RedisLog) -> None:
+        self._log = log
+        self._pending: list[_Pending] = []
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.round_trips = 0  # for tests and metrics: flushes sent
+        self.appends = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="append-batcher")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def append(
+        self,
+        request_id: str,
+        epoch: int,
+        events: Sequence[ev.Event],
+        *,
+        terminal_state: str = "",
+        ttl_s: int = 0,
+    ) -> list[EventId]:
+        future: asyncio.Future[list[EventId]] = asyncio.get_running_loop().create_future()
+        self._pending.append(_Pending(request_id, epoch, events, terminal_state, ttl_s, future))
+        self._wakeup.set()
+        return await future
+
+    async def _run(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            # let every task that is ready in this loop iteration add its step first
+            await asyncio.sleep(0)
+            batch, self._pending = self._pending, []
+            if batch:
+                await self._flush(batch)
+
+    async def _flush(self, batch: list[_Pending]) -> None:
+        try:
+            results = await self._send(batch)
+            retry = [i for i, r in enumerate(results) if _is_noscript(r)]
+            if retry:  # the script cache was flushed (Redis restarted): load and resend those
+                await self._log.redis.script_load(self._log.append_script.script)
+                again = await self._send([batch[i] for i in retry])
+                for i, r in zip(retry, again, strict=True):
+                    results[i] = r
+        except Exception as exc:  # connection trouble: every caller of this flush sees it
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(exc)
+            return
+        self.round_trips += 1
+        self.appends += len(batch)
+        for item, result in zip(batch, results, strict=True):
+            if item.future.done():
+                continue
+            if isinstance(result, ResponseError):
+                item.future.set_exception(_map_error(result))
+            else:
+                item.future.set_result([_decode_id(r) for r in result])  # type: ignore[attr-defined]
+
+    async def _send(self, batch: list[_Pending]) -> list[object]:
+        pipe = self._log.redis.pipeline(transaction=False)
+        sha = self._log.append_script.sha
+        for item in batch:
+            keys, args = self._log.append_args(
+                item.request_id, item.epoch, item.events, item.terminal_state, item.ttl_s
+            )
+            pipe.evalsha(sha, len(keys), *keys, *args)
+        return list(await pipe.execute(raise_on_error=False))
+
+
+def _is_noscript(result: object) -> bool:
+    return isinstance(result, ResponseError) and "NOSCRIPT" in str(result)

@@ -1,0 +1,106 @@
+"""Settings, read once from ``LASTEVENT_*`` environment variables and passed in.
+
+Nothing in the project reads the environment at import time: ``Settings.from_env()``
+is called by the CLI (or a test) and the result is handed to the app and the worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+PREFIX = "LASTEVENT_"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_data_dir() -> Path:
+    return Path(platformdirs.user_data_dir("lastevent", appauthor=False))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Settings:
+    # where things are
+    redis_url: str | None = None  # None: `lastevent up` starts an embedded Valkey
+    database_url: str | None = None  # None: `lastevent up` starts an embedded Postgres
+    data_dir: Path = dataclasses.field(default_factory=default_data_dir)
+    model_dir: Path | None = None  # default: <data_dir>/models/<model_name>
+    model_name: str = MODEL_NAME
+    key_prefix: str = "le"  # every Redis key starts with it (tests use random ones)
+
+    # API
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 1_000_000
+    default_max_tokens: int = 256
+    max_model_len: int = 8192
+
+    # event log
+    hot_log_ttl_s: int = 3600  # the log stays in Redis this long after its terminal event
+    tail_block_ms: int = 5000  # the multiplexed XREAD BLOCK timeout
+    tail_count: int = 512  # XREAD COUNT per stream per call
+    keepalive_s: float = 15.0  # `: ping` comment after this long without an event
+
+    # worker
+    engine: str = "cpu"  # cpu | scripted
+    worker_id: str = dataclasses.field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    )
+    worker_concurrency: int = 8  # requests one worker runs at once
+    request_deadline_s: float = 600.0
+
+    # scripted engine (tests and benchmarks)
+    scripted_tokens_per_s: float = 50.0
+    scripted_text: str | None = None  # None: echo the last user message
+    scripted_fail_after: int | None = None  # raise after this many tokens
+    scripted_stall_after: int | None = None  # stop producing after this many tokens
+
+    @property
+    def resolved_model_dir(self) -> Path:
+        return self.model_dir or self.data_dir / "models" / self.model_name
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            raw = env.get(PREFIX + field.name.upper())
+            if raw is None or raw == "":
+                continue
+            values[field.name] = _convert(field.type, raw, field.name)
+        values.update(overrides)
+        return cls(**values)
+
+    def to_env(self) -> dict[str, str]:
+        """The environment that reproduces these settings in a child process."""
+        out: dict[str, str] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is None:
+                continue
+            out[PREFIX + field.name.upper()] = str(value)
+        return out
+
+
+def _convert(type_name: Any, raw: str, name: str) -> Any:
+    t = str(type_name)
+    try:
+        if "Path" in t:
+            return Path(raw).expanduser()
+        if t.startswith("int"):
+            return int(raw)
+        if t.startswith("float"):
+            return float(raw)
+        if t.startswith("bool"):
+            return raw.lower() in ("1", "true", "yes", "on")
+        if "int |" in t:
+            return int(raw)
+    except ValueError as exc:
+        raise ValueError(f"{PREFIX}{name.upper()}={raw!r}: {exc}") from None
+    return raw

@@ -1,0 +1,101 @@
+"""The event log's payloads and the terminal states.
+
+Every entry of a request's Redis stream holds one of these structs, encoded with
+msgpack (``array_like``: the field names are not stored). They are the *internal*
+format; readers render OpenAI chunks from them (``render.py``), so one log serves
+chat, text completions and any later API shape.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class State(enum.StrEnum):
+    """Where a request is. The last four are terminal: exactly one per accepted request."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"  # EOS, stop string, max_tokens / context length
+    CANCELLED = "cancelled"  # POST /v1/requests/{id}/cancel
+    ABANDONED = "abandoned"  # last reader gone longer than the resume grace period
+    ERRORED = "errored"  # engine error, deadline, worker lost
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES = frozenset({State.FINISHED, State.CANCELLED, State.ABANDONED, State.ERRORED})
+
+
+class FinishReason(enum.StrEnum):
+    """OpenAI's finish_reason strings (part of the external API), plus ours for aborts."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ABANDONED = "abandoned"
+
+
+class Kind(enum.StrEnum):
+    CHAT = "chat"  # /v1/chat/completions
+    TEXT = "text"  # /v1/completions
+
+
+class _Event(msgspec.Struct, array_like=True, gc=False, tag_field="t"):
+    pass
+
+
+class Created(_Event, tag="c"):
+    """First entry of every log, written by the API when it accepts the request."""
+
+    kind: str
+    model: str
+    created: int  # unix seconds, the OpenAI ``created`` field
+    prompt_tokens: int
+    include_usage: bool = False
+
+
+class Delta(_Event, tag="d"):
+    """Text released in one engine step, and the token ids consumed since the previous delta.
+
+    ``n`` is the count of completion tokens consumed so far (including ``token_ids``).
+    The ids let a worker that takes over rebuild the request's state from the log.
+    """
+
+    text: str
+    token_ids: list[int]
+    n: int
+
+
+class Error(_Event, tag="x"):
+    """An in-band error. The terminal ``End`` (state ``errored``) follows it."""
+
+    code: str
+    message: str
+
+
+class End(_Event, tag="e"):
+    """The terminal event: exactly one per log, always last."""
+
+    state: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+Event = Created | Delta | Error | End
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Event)
+
+
+def encode(event: Event) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode(data: bytes) -> Event:
+    return _decoder.decode(data)

@@ -1,0 +1,61 @@
+"""Server-sent events framing.
+
+Every payload is JSON (or the ``[DONE]`` sentinel) whose encoder escapes CR,
+LF and NUL; we additionally escape U+2028, U+2029 and U+0085, which some line
+splitters (``str.splitlines``, older JS) treat as line ends. ``id:`` and
+``event:`` values have CR, LF and NUL removed, so nothing a model writes or a
+client sends can create, split or forge an event.
+"""
+
+from __future__ import annotations
+
+HEADERS: dict[str, str] = {
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # nginx: do not buffer this response
+    "Connection": "keep-alive",
+}
+MEDIA_TYPE = "text/event-stream"
+
+_UNSAFE_IN_JSON = (
+    (b"\xe2\x80\xa8", b"\\u2028"),
+    (b"\xe2\x80\xa9", b"\\u2029"),
+    (b"\xc2\x85", b"\\u0085"),
+)
+_FIELD_STRIP = str.maketrans("", "", "\r\n\x00")
+
+KEEPALIVE = b": ping\n\n"
+DONE = b"[DONE]"
+
+
+def escape_json(payload: bytes) -> bytes:
+    """Escape the line separators that valid JSON may carry raw inside strings."""
+    if b"\xe2\x80" in payload or b"\xc2\x85" in payload:
+        for raw, escaped in _UNSAFE_IN_JSON:
+            payload = payload.replace(raw, escaped)
+    return payload
+
+
+def clean_field(value: str) -> str:
+    return value.translate(_FIELD_STRIP)
+
+
+def frame(data: bytes, event_id: str | None = None, event: str | None = None) -> bytes:
+    """One SSE event. ``data`` must be a single line (JSON or ``[DONE]``)."""
+    if b"\n" in data or b"\r" in data:
+        raise ValueError("SSE data must be a single line; encode it as JSON first")
+    parts: list[bytes] = []
+    if event_id is not None:
+        parts.append(b"id: " + clean_field(event_id).encode() + b"\n")
+    if event is not None:
+        parts.append(b"event: " + clean_field(event).encode() + b"\n")
+    parts.append(b"data: " + escape_json(data) + b"\n\n")
+    return b"".join(parts)
+
+
+def retry(ms: int) -> bytes:
+    """Tell the client how long to wait before it reconnects."""
+    return b"retry: " + str(int(ms)).encode() + b"\n\n"
+
+
+def comment(text: str = "ping") -> bytes:
+    return b": " + clean_field(text).encode() + b"\n\n"

@@ -1,0 +1,159 @@
+"""Multiplexed log tailing: one ``XREAD BLOCK`` per API process for all its readers.
+
+Every connected reader (an SSE client, a waiting non-streaming client) subscribes
+to one request's log from a position. One task runs ``XREAD BLOCK`` over all the
+logs followed by this process and fans the entries out to the subscribers'
+queues. Redis connections stay O(1) per process instead of O(clients).
+
+A new subscription must not wait for the current ``XREAD BLOCK`` to time out, so
+each process also reads its own small *wake* stream; subscribing XADDs to it,
+which returns the blocked call at once.
+
+Redis Cluster: a multi-key ``XREAD`` needs all keys in one slot, and per-request
+keys are spread over slots on purpose, so this tailer targets a single Redis
+(or a primary with replicas). See docs/DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from service.keys import EVENT_FIELD, Keys
+from service.stream import events as ev
+from service.stream.ids import EventId
+
+log = logging.getLogger(__name__)
+
+Batch = list[tuple[EventId, ev.Event]]
+_START = EventId(0, 0)
+
+
+class Subscription:
+    """One reader's view of one log: an async iterator of event batches."""
+
+    def __init__(self, tailer: LogTailer, request_id: str, after: EventId | None) -> None:
+        self.tailer = tailer
+        self.request_id = request_id
+        self.position = after or _START
+        self.queue: asyncio.Queue[Batch | BaseException] = asyncio.Queue()
+
+    async def batches(self) -> AsyncIterator[Batch]:
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self.tailer.unsubscribe(self)
+
+    def _offer(self, entries: Batch) -> None:
+        fresh = [(eid, e) for eid, e in entries if eid > self.position]
+        if fresh:
+            self.position = fresh[-1][0]
+            self.queue.put_nowait(fresh)
+
+
+class LogTailer:
+    def __init__(
+        self, redis: Redis, keys: Keys, *, block_ms: int = 5000, count: int = 512
+    ) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._block_ms = block_ms
+        self._count = count
+        self._wake_key = keys.wake(uuid.uuid4().hex)
+        self._wake_last = b"0-0"
+        self._wake_pending = False
+        self._subs: dict[str, set[Subscription]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.reads = 0  # XREAD calls made (tests, metrics)
+
+    @property
+    def subscriptions(self) -> int:
+        return sum(len(s) for s in self._subs.values())
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="log-tailer")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        with contextlib.suppress(RedisError):
+            await self._redis.delete(self._wake_key)
+
+    def subscribe(self, request_id: str, after: EventId | None = None) -> Subscription:
+        sub = Subscription(self, request_id, after)
+        self._subs.setdefault(self._keys.log(request_id), set()).add(sub)
+        self._wake()
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        key = self._keys.log(sub.request_id)
+        subs = self._subs.get(key)
+        if subs is not None:
+            subs.discard(sub)
+            if not subs:
+                del self._subs[key]
+
+    def _wake(self) -> None:
+        if self._wake_pending:
+            return
+        self._wake_pending = True
+        asyncio.get_running_loop().create_task(self._send_wake())
+
+    async def _send_wake(self) -> None:
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.xadd(self._wake_key, {b"w": b"1"}, maxlen=16, approximate=False)
+            pipe.expire(self._wake_key, 3600)
+            await pipe.execute()
+        except RedisError as exc:  # the loop's own error handling retries reads
+            log.warning("wake failed: %s", exc)
+        finally:
+            self._wake_pending = False
+
+    def _streams(self) -> dict[str, bytes]:
+        streams: dict[str, bytes] = {self._wake_key: self._wake_last}
+        for key, subs in self._subs.items():
+            position = min(s.position for s in subs)
+            streams[key] = str(position).encode()
+        return streams
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                reply = await self._redis.xread(
+                    self._streams(), count=self._count, block=self._block_ms
+                )
+                backoff = 0.05
+            except RedisError as exc:
+                log.warning("log tail read failed (retrying in %.2fs): %s", backoff, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            self.reads += 1
+            for raw_key, entries in reply or []:
+                self._dispatch(raw_key.decode() if isinstance(raw_key, bytes) else raw_key, entries)
+
+    def _dispatch(self, key: str, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        if key == self._wake_key:
+            self._wake_last = entries[-1][0]
+            return
+        subs = self._subs.get(key)
+        if not subs:
+            return
+        batch = [
+            (EventId.parse(eid.decode()), ev.decode(fields[EVENT_FIELD])) for eid, fields in entries
+        ]
+        for sub in list(subs):
+            sub._offer(batch)

@@ -1,0 +1,1 @@
+"""The engine host: claims queued requests, runs an engine, appends events."""

@@ -1,0 +1,66 @@
+"""``lastevent worker``: one engine, one process. SIGTERM/SIGINT drain, then exit."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from redis.asyncio import Redis
+
+from service.db.ledger import Ledger, make_engine
+from service.settings import Settings
+from service.tokenize import ModelInfo
+from workers.engines.base import Engine
+from workers.runner import Runner
+
+log = logging.getLogger("lastevent.worker")
+
+
+def build_engine(settings: Settings, model: ModelInfo) -> Engine:
+    if settings.engine == "scripted":
+        from workers.engines.scripted import ScriptedEngine
+
+        return ScriptedEngine(
+            model,
+            tokens_per_s=settings.scripted_tokens_per_s,
+            text=settings.scripted_text,
+            fail_after=settings.scripted_fail_after,
+            stall_after=settings.scripted_stall_after,
+        )
+    if settings.engine == "cpu":
+        from workers.engines.cpu import CpuEngine
+
+        return CpuEngine(settings.resolved_model_dir)
+    raise SystemExit(f"unknown engine {settings.engine!r} (LASTEVENT_ENGINE: cpu | scripted)")
+
+
+async def serve(settings: Settings) -> None:
+    if not settings.redis_url:
+        raise SystemExit("LASTEVENT_REDIS_URL is not set")
+    model = ModelInfo.load(settings.resolved_model_dir, settings.model_name)
+    engine = build_engine(settings, model)
+    await engine.start()
+    redis = Redis.from_url(settings.redis_url, max_connections=64)
+    db = make_engine(settings.database_url) if settings.database_url else None
+    runner = Runner(settings, redis, engine, model, Ledger(db) if db else None)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, runner.stop)
+    log.info("worker %s ready (engine %s)", settings.worker_id, engine.name)
+    try:
+        await runner.run()
+    finally:
+        await engine.close()
+        await redis.aclose()
+        if db is not None:
+            await db.dispose()
+
+
+def main(settings: Settings | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    asyncio.run(serve(settings or Settings.from_env()))
+
+
+if __name__ == "__main__":
+    main()

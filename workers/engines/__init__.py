@@ -1,0 +1,1 @@
+"""Engines: one module each; only ``vllm.py`` imports vllm."""

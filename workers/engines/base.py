@@ -1,0 +1,55 @@
+"""The engine protocol, modeled on vLLM's ``AsyncLLM``.
+
+``generate`` is an async iterator that yields, per engine step, the *new* token ids
+of one request (``RequestOutputKind.DELTA`` in vLLM terms). It returns when the
+engine finished the request (EOS or max_tokens) and raises ``EngineError`` when
+the engine failed. ``abort(request_id)`` stops a running request at the engine's
+next step; its ``generate`` then returns (``StepOutput.aborted``).
+
+Detokenization and stop strings are *not* the engine's job: the runner does both
+so that every engine behaves the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+
+class EngineError(Exception):
+    """The engine failed while running a request; the request ends ``errored``."""
+
+    def __init__(self, message: str, code: str = "engine_error") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()  # EOS and friends; finish_reason "stop"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepOutput:
+    token_ids: list[int]  # new ids of this step (may be empty on the last step)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" (stop token) | "length" | "abort"
+
+
+class Engine(Protocol):
+    name: str
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[StepOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...

@@ -1,0 +1,104 @@
+"""The scripted engine: deterministic token ids through the real tokenizer.
+
+For tests and benchmarks. By default it *echoes* the request: for a chat prompt
+the content of the last user message, for a text prompt the prompt itself
+(``scripted_text`` replaces that with a fixed answer). The answer is tokenized
+with the model's own tokenizer and produced one token per step at
+``tokens_per_s``, followed by EOS; so the rest of the system sees real token
+ids, split characters and all. Fault injection: ``fail_after`` raises an engine
+error after that many tokens, ``stall_after`` stops producing (for deadlines).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from service.tokenize import ModelInfo
+from workers.engines.base import EngineError, SamplingParams, StepOutput
+
+_USER_OPEN = "<|im_start|>user\n"
+_TURN_CLOSE = "<|im_end|>"
+
+
+class ScriptedEngine:
+    name = "scripted"
+
+    def __init__(
+        self,
+        model: ModelInfo,
+        *,
+        tokens_per_s: float = 50.0,
+        text: str | None = None,
+        fail_after: int | None = None,
+        stall_after: int | None = None,
+    ) -> None:
+        self._model = model
+        self._interval_s = 1.0 / tokens_per_s if tokens_per_s > 0 else 0.0
+        self._fixed = None if text is None else model.encode(text)
+        self._fail_after = fail_after
+        self._stall_after = stall_after
+        self._aborted: set[str] = set()
+        self.running: set[str] = set()  # request ids inside generate (tests look)
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def script_for(self, prompt_token_ids: list[int]) -> list[int]:
+        if self._fixed is not None:
+            return list(self._fixed)
+        prompt = self._model.decode(prompt_token_ids, skip_special_tokens=False)
+        start = prompt.rfind(_USER_OPEN)
+        if start >= 0:
+            body = prompt[start + len(_USER_OPEN) :]
+            end = body.find(_TURN_CLOSE)
+            return self._model.encode(body if end < 0 else body[:end])
+        return self._model.encode(prompt)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[StepOutput]:
+        script = self.script_for(prompt_token_ids)
+        eos = params.stop_token_ids[:1] or self._model.eos_token_ids[:1]
+        self.running.add(request_id)
+        try:
+            async for out in self._steps(request_id, script, list(eos), params.max_tokens):
+                yield out
+        finally:
+            self.running.discard(request_id)
+            self._aborted.discard(request_id)
+
+    async def _steps(
+        self, request_id: str, script: list[int], eos: list[int], max_tokens: int
+    ) -> AsyncIterator[StepOutput]:
+        produced = 0
+        next_at = time.monotonic()
+        for token_id in [*script, *eos]:
+            if request_id in self._aborted:
+                yield StepOutput([], finished=True, finish_reason="abort")
+                return
+            if self._fail_after is not None and produced >= self._fail_after:
+                raise EngineError(f"scripted failure after {produced} tokens", "engine_failure")
+            if self._stall_after is not None and produced >= self._stall_after:
+                await asyncio.Event().wait()  # never set: a stalled engine
+            next_at += self._interval_s
+            delay = next_at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            produced += 1
+            is_eos = produced == len(script) + len(eos)
+            if is_eos:
+                yield StepOutput([token_id], finished=True, finish_reason="stop")
+                return
+            if produced >= max_tokens:
+                yield StepOutput([token_id], finished=True, finish_reason="length")
+                return
+            yield StepOutput([token_id])
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self.running:
+            self._aborted.add(request_id)
