@@ -335,9 +335,9 @@ class EmbeddedRedis:
             if "Address already in use" in log_tail and attempt < attempts:
                 continue
             code = self._proc.returncode if self._proc is not None else None
+            why = f"exit code {code}" if code is not None else f"not ready in {timeout:.0f}s"
             raise RuntimeError(
-                f"embedded Valkey failed to start (exit code {code}, timeout {timeout:.0f}s); "
-                f"log {self.log_path}:\n{log_tail}"
+                f"embedded Valkey failed to start ({why}); log {self.log_path}:\n{log_tail}"
             )
         raise AssertionError("unreachable")
 
@@ -472,8 +472,12 @@ class EmbeddedPostgres:
             return
         pid_file = self.pgdata / "postmaster.pid"
         postmaster_pid = None
+        socket_dirs = {self.pgdata}
         with contextlib.suppress(OSError, ValueError, IndexError):
-            postmaster_pid = int(pid_file.read_text().splitlines()[0])
+            lines = pid_file.read_text().splitlines()
+            postmaster_pid = int(lines[0])
+            if lines[4].strip():  # pgserver may put the socket elsewhere if PGDATA's too long
+                socket_dirs.add(Path(lines[4].strip()))
         procs = _procs_in(self.pgdata, "postgres")
         postmasters = [p for p in procs if p.pid == postmaster_pid]
         if postmasters:
@@ -495,6 +499,14 @@ class EmbeddedPostgres:
             # Stale. postgres itself would cope, but pgserver trusts it: it "adopts" any live
             # process whose pid matches (pids get reused) and asserts on a truncated file.
             pid_file.unlink()
+        for socket_dir in socket_dirs:
+            # The socket's lock file names the dead postmaster too. postgres checks it with
+            # kill(pid, 0), which succeeds on a zombie: until PID 1 reaps the killed postmaster
+            # (lazily, in some containers) the restart fails with 'FATAL: lock file
+            # ".../.s.PGSQL.5432.lock" already exists'. Nothing of ours runs now: remove both.
+            for lock in socket_dir.glob(".s.PGSQL.*.lock"):
+                lock.unlink(missing_ok=True)
+                lock.with_suffix("").unlink(missing_ok=True)
         # pgserver's cross-process handle count: only dead pids can be in it now.
         (self.pgdata / ".handle_pids.json").unlink(missing_ok=True)
 

@@ -19,7 +19,7 @@ import dataclasses
 import re
 
 _MAX_U64 = 2**64 - 1
-_CURSOR_RE = re.compile(r"(\d{1,20})-(\d{1,20})(?::(\d{1,4}))?")
+_CURSOR_RE = re.compile(r"([0-9]{1,20})-([0-9]{1,20})(?::([0-9]{1,4}))?")
 
 
 class InvalidEventId(ValueError):
