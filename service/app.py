@@ -59,9 +59,13 @@ def create_app(settings: Settings) -> Litestar:
         if not settings.redis_url:
             raise RuntimeError("LASTEVENT_REDIS_URL is not set (use `lastevent up` for embedded)")
         redis = Redis.from_url(settings.redis_url, max_connections=256)
+        # the tailer's XREAD BLOCK outlives redis-py's default 5 s socket timeout
+        tail_redis = Redis.from_url(
+            settings.redis_url, max_connections=4, socket_timeout=settings.tail_block_ms / 1000 + 5
+        )
         keys = Keys(settings.key_prefix)
         tailer = LogTailer(
-            redis, keys, block_ms=settings.tail_block_ms, count=settings.tail_count
+            tail_redis, keys, block_ms=settings.tail_block_ms, count=settings.tail_count
         )
         engine = make_engine(settings.database_url) if settings.database_url else None
         app.state.ctx = Context(
@@ -81,6 +85,7 @@ def create_app(settings: Settings) -> Litestar:
             if engine is not None:
                 await engine.dispose()
             await redis.aclose()
+            await tail_redis.aclose()
 
     def provide_ctx(request: Request[Any, Any, Any]) -> Context:
         ctx: Context = request.app.state.ctx

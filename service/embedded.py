@@ -189,8 +189,8 @@ class _DirLock:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
             raise RuntimeError(
-                f"the embedded {self.what} data dir is in use by another process (pid {holder}; "
-                f"lock {self.path}); stop that process or use another data dir"
+                f"the embedded {self.what} data dir is already in use (by pid {holder}, lock "
+                f"{self.path}); stop that server first or use another data dir"
             ) from None
         except BaseException:
             os.close(fd)

@@ -208,14 +208,15 @@ class AppendBatcher:
                 await self._flush(batch)
 
     async def _flush(self, batch: list[_Pending]) -> None:
+        pipe = self._log.redis.pipeline(transaction=False)
+        for item in batch:
+            keys, args = self._log.append_args(
+                item.request_id, item.epoch, item.events, item.terminal_state, item.ttl_s
+            )
+            # through the Script object: the pipeline loads the script if Redis lost it
+            await self._log.append_script(keys=keys, args=args, client=pipe)
         try:
-            results = await self._send(batch)
-            retry = [i for i, r in enumerate(results) if _is_noscript(r)]
-            if retry:  # the script cache was flushed (Redis restarted): load and resend those
-                await self._log.redis.script_load(self._log.append_script.script)
-                again = await self._send([batch[i] for i in retry])
-                for i, r in zip(retry, again, strict=True):
-                    results[i] = r
+            results = list(await pipe.execute(raise_on_error=False))
         except Exception as exc:  # connection trouble: every caller of this flush sees it
             for item in batch:
                 if not item.future.done():
@@ -229,18 +230,4 @@ class AppendBatcher:
             if isinstance(result, ResponseError):
                 item.future.set_exception(_map_error(result))
             else:
-                item.future.set_result([_decode_id(r) for r in result])  # type: ignore[attr-defined]
-
-    async def _send(self, batch: list[_Pending]) -> list[object]:
-        pipe = self._log.redis.pipeline(transaction=False)
-        sha = self._log.append_script.sha
-        for item in batch:
-            keys, args = self._log.append_args(
-                item.request_id, item.epoch, item.events, item.terminal_state, item.ttl_s
-            )
-            pipe.evalsha(sha, len(keys), *keys, *args)
-        return list(await pipe.execute(raise_on_error=False))
-
-
-def _is_noscript(result: object) -> bool:
-    return isinstance(result, ResponseError) and "NOSCRIPT" in str(result)
+                item.future.set_result([_decode_id(r) for r in result])
