@@ -4,6 +4,7 @@ the multiplexed log tailer and the tokenizer."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -27,6 +28,8 @@ from service.settings import Settings
 from service.tail import LogTailer
 from service.tokenize import ModelInfo
 
+log = logging.getLogger("lastevent.api")
+
 
 def _error_response(exc: ApiError) -> Response[Any]:
     return Response(exc.body(), status_code=exc.status_code, headers=exc.headers)
@@ -49,6 +52,13 @@ def _http_error(_: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
     kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
     body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
     return Response(body, status_code=status, headers=dict(exc.headers or {}))
+
+
+def _internal_error(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    log.error("unhandled error", exc_info=exc)
+    body = {"error": {"message": "internal server error", "type": "server_error",
+                      "param": None, "code": None}}
+    return Response(body, status_code=500)
 
 
 def create_app(settings: Settings) -> Litestar:
@@ -94,7 +104,11 @@ def create_app(settings: Settings) -> Litestar:
     return Litestar(
         route_handlers=[CompletionsController, RequestsController, SystemController],
         dependencies={"ctx": Provide(provide_ctx, sync_to_thread=False)},
-        exception_handlers={ApiError: _api_error, HTTPException: _http_error},
+        exception_handlers={
+            ApiError: _api_error,
+            HTTPException: _http_error,
+            Exception: _internal_error,
+        },
         lifespan=[lifespan],
         request_max_body_size=settings.max_body_bytes,
         openapi_config=OpenAPIConfig(title="lastevent", version="0.1.0", path="/schema"),

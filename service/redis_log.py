@@ -142,6 +142,12 @@ class RedisLog:
         raw = await self.redis.xrange(self.keys.log(request_id), min=start, count=count)
         return _entries(raw)
 
+    async def has_event(self, request_id: str, event_id: EventId) -> bool:
+        raw = await self.redis.xrange(
+            self.keys.log(request_id), min=str(event_id), max=str(event_id), count=1
+        )
+        return bool(raw)
+
     async def first(self, request_id: str) -> ev.Created | None:
         entries = await self.read(request_id, count=1)
         if not entries or not isinstance(entries[0][1], ev.Created):

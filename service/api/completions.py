@@ -95,9 +95,12 @@ class CompletionsController(Controller):
     async def completions(self, ctx: Context, data: CompletionRequest) -> Response[Any] | Stream:
         _check_common(ctx, data)
         prompt = data.prompt
-        if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
-            if len(prompt) != 1:
-                raise InvalidRequest("only one prompt per request is supported", param="prompt")
+        if isinstance(prompt, list) and any(isinstance(p, str) for p in prompt):
+            if len(prompt) != 1 or not isinstance(prompt[0], str):
+                raise InvalidRequest(
+                    "'prompt' must be a string, a list with one string, or a list of token ids",
+                    param="prompt",
+                )
             prompt = prompt[0]
         if isinstance(prompt, str):
             prompt_ids = ctx.model.encode(prompt)

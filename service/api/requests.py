@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 from litestar import Controller, Request, get
@@ -25,6 +26,11 @@ def _cursor(raw: str | None, param: str) -> Cursor | None:
         raise InvalidRequest(str(exc), param=param, code="invalid_event_id") from None
 
 
+async def _nothing() -> AsyncIterator[bytes]:
+    return
+    yield b""
+
+
 class RequestsController(Controller):
     path = "/v1/requests"
     tags = ["requests"]
@@ -39,8 +45,20 @@ class RequestsController(Controller):
         created = await ctx.log.first(request_id)
         if created is None:
             raise NotFound(f"no request '{request_id}'", param="request_id", code="not_found")
+        frames = sse_frames(ctx, request_id, created, cursor)
+        if cursor is not None:
+            if not await ctx.log.has_event(request_id, cursor.event):
+                raise InvalidRequest(
+                    f"event id '{cursor}' is not an event of request '{request_id}'",
+                    param="Last-Event-ID" if header else "after",
+                    code="invalid_event_id",
+                )
+            last = await ctx.log.last(request_id)
+            if last is not None and isinstance(last[1], End) and cursor.event == last[0]:
+                if cursor.frame is None:  # the client has everything: an empty, closed stream
+                    frames = _nothing()
         return Stream(
-            sse_frames(ctx, request_id, created, cursor),
+            frames,
             media_type=sse.MEDIA_TYPE,
             headers={**sse.HEADERS, REQUEST_ID_HEADER: request_id},
         )

@@ -44,7 +44,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str | int]
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -1,0 +1,118 @@
+"""Real processes: the API and workers run as subprocesses against real Redis/Postgres."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.settings import MODEL_NAME, Settings
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclasses.dataclass
+class Stack:
+    settings: Settings
+    logs: Path
+    procs: list[subprocess.Popen[bytes]] = dataclasses.field(default_factory=list)
+    api_urls: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return self.api_urls[0]
+
+    @property
+    def model(self) -> str:
+        return MODEL_NAME
+
+    def _spawn(self, role: str, name: str, **overrides: object) -> subprocess.Popen[bytes]:
+        env = {**os.environ, **self.settings.to_env()}
+        env.update({f"LASTEVENT_{k.upper()}": str(v) for k, v in overrides.items()})
+        out = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "service.cli", role], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+        self.procs.append(proc)
+        return proc
+
+    def start_api(self) -> str:
+        port = free_port()
+        proc = self._spawn("api", f"api-{port}", port=port)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"API exited: {self.tail(f'api-{port}')}")
+            try:
+                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+                    self.api_urls.append(url)
+                    return url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"API did not become ready: {self.tail(f'api-{port}')}")
+
+    def start_worker(self, name: str = "worker", **overrides: object) -> subprocess.Popen[bytes]:
+        return self._spawn("worker", name, worker_id=f"{name}-{uuid.uuid4().hex[:6]}", **overrides)
+
+    def tail(self, name: str, n: int = 3000) -> str:
+        path = self.logs / f"{name}.log"
+        return path.read_text(errors="replace")[-n:] if path.exists() else ""
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def make_stack(
+    tmp: Path, redis_url: str, database_url: str, model_dir: Path, **settings: object
+) -> Stack:
+    s = Settings(
+        redis_url=redis_url,
+        database_url=database_url,
+        data_dir=tmp,
+        model_dir=model_dir,
+        key_prefix=f"e{uuid.uuid4().hex[:10]}",
+        engine="scripted",
+        scripted_tokens_per_s=200.0,
+        keepalive_s=1.0,
+        **settings,  # type: ignore[arg-type]
+    )
+    logs = tmp / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    return Stack(settings=s, logs=logs)
+
+
+@pytest.fixture(scope="module")
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
+) -> Iterator[Stack]:
+    st = make_stack(tmp_path_factory.mktemp("stack"), redis_url, database_url, model_dir)
+    try:
+        st.start_worker()
+        st.start_api()
+        yield st
+    finally:
+        st.stop()

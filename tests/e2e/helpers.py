@@ -1,0 +1,86 @@
+"""Small helpers for end-to-end tests: request bodies, SSE parsing, ledger rows."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+from httpx_sse import EventSource, ServerSentEvent
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from service.stream.ids import Cursor
+
+# ~300 tokens with multi-byte characters, split characters and emoji
+LONG = (
+    "Café crème costs 5€ in Zürich; 日本語のテキストも少し。 Emoji: 🤖🚀👩‍👩‍👧. "
+    + " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(10))
+)
+
+
+def chat_body(model: str, content: str, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": content}], **extra}
+
+
+def content_of(events: list[ServerSentEvent]) -> str:
+    out = []
+    for e in events:
+        if not e.data or e.data == "[DONE]":
+            continue
+        payload = json.loads(e.data)
+        for choice in payload.get("choices", []):
+            delta = choice.get("delta") or {}
+            out.append(delta.get("content") or choice.get("text") or "")
+    return "".join(out)
+
+
+def finish_reason(events: list[ServerSentEvent]) -> str | None:
+    for e in events:
+        if e.data and e.data != "[DONE]":
+            for choice in json.loads(e.data).get("choices", []):
+                if choice.get("finish_reason"):
+                    return str(choice["finish_reason"])
+    return None
+
+
+def assert_ids_increase(events: list[ServerSentEvent]) -> None:
+    cursors = [Cursor.parse(e.id) for e in events if e.id]
+    assert all(a < b for a, b in zip(cursors, cursors[1:], strict=False)), [str(c) for c in cursors]
+
+
+def read_all(client: httpx.Client, method: str, url: str, **kw: Any) -> tuple[httpx.Headers, list[ServerSentEvent]]:
+    with client.stream(method, url, **kw) as r:
+        assert r.status_code == 200, r.read()
+        return r.headers, list(EventSource(r).iter_sse())
+
+
+def raw_events(client: httpx.Client, method: str, url: str, **kw: Any) -> tuple[str, bytes]:
+    """The response bytes with keepalive comments removed."""
+    with client.stream(method, url, **kw) as r:
+        body = b"".join(r.iter_bytes())
+        rid = r.headers["x-request-id"]
+    kept = b"".join(chunk + b"\n\n" for chunk in body.split(b"\n\n") if chunk and not chunk.startswith(b":"))
+    return rid, kept
+
+
+def ledger_row(database_url: str, request_id: str, timeout_s: float = 15.0) -> dict[str, Any] | None:
+    async def fetch() -> dict[str, Any] | None:
+        engine = create_async_engine(database_url)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                async with engine.connect() as conn:
+                    row = (
+                        await conn.execute(text("SELECT * FROM requests WHERE id = :id"), {"id": request_id})
+                    ).mappings().first()
+                if row is not None:
+                    return dict(row)
+                await asyncio.sleep(0.1)
+            return None
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(fetch())
