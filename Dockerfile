@@ -17,6 +17,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore \
     LASTEVENT_DATA_DIR=/data
 # /data/models exists in the image and belongs to the user, so a named volume mounted
 # there starts out owned by it (Docker copies the ownership into an empty volume).

@@ -131,10 +131,9 @@ class LogTailer:
     async def _run(self) -> None:
         backoff = 0.05
         while True:
+            streams = self._streams()
             try:
-                reply = await self._redis.xread(
-                    self._streams(), count=self._count, block=self._block_ms
-                )
+                reply = await self._redis.xread(streams, count=self._count, block=self._block_ms)
                 backoff = 0.05
             except RedisError as exc:
                 log.warning("log tail read failed (retrying in %.2fs): %s", backoff, exc)
@@ -143,17 +142,24 @@ class LogTailer:
                 continue
             self.reads += 1
             for raw_key, entries in reply or []:
-                self._dispatch(raw_key.decode() if isinstance(raw_key, bytes) else raw_key, entries)
+                key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
+                self._dispatch(key, entries, streams[key])
 
-    def _dispatch(self, key: str, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+    def _dispatch(
+        self, key: str, entries: list[tuple[bytes, dict[bytes, bytes]]], read_from: bytes
+    ) -> None:
         if key == self._wake_key:
             self._wake_last = entries[-1][0]
             return
         subs = self._subs.get(key)
         if not subs:
             return
+        start = EventId.parse(read_from.decode())
         batch = [
             (EventId.parse(eid.decode()), ev.decode(fields[EVENT_FIELD])) for eid, fields in entries
         ]
         for sub in list(subs):
-            sub._offer(batch)
+            # A reader that subscribed (further back) while this read was in flight would
+            # see a gap; it gets these entries from the next read, which starts at its position.
+            if sub.position >= start:
+                sub._offer(batch)
