@@ -23,7 +23,11 @@ _UNSAFE_IN_JSON = (
 )
 _FIELD_STRIP = str.maketrans("", "", "\r\n\x00")
 
-KEEPALIVE = b": ping\n\n"
+# A comment *line*, not followed by a blank line. The SSE spec ignores both forms,
+# but the openai Python SDK dispatches an empty event on any blank line once it
+# has seen an ``id:`` and then fails to JSON-decode it; a lone comment line keeps
+# proxies and load balancers from timing the connection out without that.
+KEEPALIVE = b": ping\n"
 DONE = b"[DONE]"
 
 
@@ -58,4 +62,4 @@ def retry(ms: int) -> bytes:
 
 
 def comment(text: str = "ping") -> bytes:
-    return b": " + clean_field(text).encode() + b"\n\n"
+    return b": " + clean_field(text).encode() + b"\n"

@@ -89,17 +89,18 @@ class Stack:
 def make_stack(
     tmp: Path, redis_url: str, database_url: str, model_dir: Path, **settings: object
 ) -> Stack:
-    s = Settings(
-        redis_url=redis_url,
-        database_url=database_url,
-        data_dir=tmp,
-        model_dir=model_dir,
-        key_prefix=f"e{uuid.uuid4().hex[:10]}",
-        engine="scripted",
-        scripted_tokens_per_s=200.0,
-        keepalive_s=1.0,
-        **settings,  # type: ignore[arg-type]
-    )
+    values: dict[str, object] = {
+        "redis_url": redis_url,
+        "database_url": database_url,
+        "data_dir": tmp,
+        "model_dir": model_dir,
+        "key_prefix": f"e{uuid.uuid4().hex[:10]}",
+        "engine": "scripted",
+        "scripted_tokens_per_s": 200.0,
+        "keepalive_s": 1.0,
+    }
+    values.update(settings)
+    s = Settings(**values)  # type: ignore[arg-type]
     logs = tmp / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     return Stack(settings=s, logs=logs)

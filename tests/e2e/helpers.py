@@ -62,7 +62,7 @@ def raw_events(client: httpx.Client, method: str, url: str, **kw: Any) -> tuple[
     with client.stream(method, url, **kw) as r:
         body = b"".join(r.iter_bytes())
         rid = r.headers["x-request-id"]
-    kept = b"".join(chunk + b"\n\n" for chunk in body.split(b"\n\n") if chunk and not chunk.startswith(b":"))
+    kept = b"".join(line + b"\n" for line in body.split(b"\n") if not line.startswith(b":"))
     return rid, kept
 
 

@@ -290,22 +290,43 @@ async def test_tailer_multiplexes_many_readers(
     assert got[0][1] == created()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a subscription joining a log the tailer already follows, at an earlier position, "
-    "is offered the in-flight XREAD's entries and skips ahead past the ones before them",
-)
-async def test_tailer_late_subscriber_from_start_gets_no_gap(rlog: RedisLog, tailer: LogTailer):
+def resp(*parts: bytes) -> bytes:
+    return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
+
+
+async def test_tailer_late_subscriber_from_start_gets_no_gap(
+    rlog: RedisLog, tailer: LogTailer, keys: Keys
+):
+    """A reader joining a followed log further back while the tailer's XREAD is in flight.
+
+    The race is forced: an entry is written (a raw XADD, sent synchronously) and the reader
+    subscribes before the tailer can see the reply, so that read's batch starts past the new
+    reader's position. It must not be handed to it (regression: it was, a gap).
+    """
     request_id, epoch = await new_request(rlog)
     await rlog.append(request_id, epoch, [delta(1)])
     first = tailer.subscribe(request_id)
     assert len(await collect(first, 2)) == 2
     await asyncio.sleep(0.1)  # the tailer is blocked again, reading this log after delta(1)
 
-    resumed = tailer.subscribe(request_id)  # e.g. a client reconnecting without Last-Event-ID
-    await rlog.append(request_id, epoch, [delta(2)])
-    got = await collect(resumed, 3, timeout=1.5)
+    kw = rlog.redis.connection_pool.connection_kwargs
+    reader, writer = await asyncio.open_connection(kw["host"], kw["port"])
+    try:
+        for cmd in ([b"AUTH", kw["password"].encode()] if kw.get("password") else [],
+                    [b"SELECT", str(kw.get("db", 0)).encode()]):
+            if cmd:
+                writer.write(resp(*cmd))
+                assert (await reader.readline()).startswith(b"+OK")
+        log_key, payload = keys.log(request_id).encode(), ev.encode(delta(2))
+        writer.write(resp(b"XADD", log_key, b"*", b"e", payload))  # on the wire now
+        resumed = tailer.subscribe(request_id)  # e.g. a reconnect without Last-Event-ID
+        assert (await reader.readline()).startswith(b"$")
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    got = await collect(resumed, 3, timeout=2)
     assert [e for _, e in got] == [created(), delta(1), delta(2)]
+    assert [e for _, e in await collect(first, 1)] == [delta(2)]
 
 
 async def test_tailer_survives_dropped_connection(

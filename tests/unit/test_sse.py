@@ -76,3 +76,16 @@ def test_errored_end_has_no_done() -> None:
         End(state="errored", finish_reason=None, prompt_tokens=3, completion_tokens=1)
     )
     assert frames == []
+
+
+def test_keepalive_between_events_is_invisible_to_the_openai_sdk() -> None:
+    """The SDK dispatches an empty event on a blank line once it has seen an id."""
+    from openai._streaming import SSEDecoder
+
+    body = (
+        sse.frame(b'{"a":1}', "1-0") + sse.KEEPALIVE + sse.KEEPALIVE + sse.frame(b'{"b":2}', "2-0")
+        + sse.KEEPALIVE + sse.frame(sse.DONE, "3-0")
+    )
+    events = list(SSEDecoder().iter_bytes(iter([body[i : i + 7] for i in range(0, len(body), 7)])))
+    assert [e.data for e in events] == ['{"a":1}', '{"b":2}', "[DONE]"]
+    assert [d for _, d in parse(body)] == ['{"a":1}', '{"b":2}', "[DONE]"]
