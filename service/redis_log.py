@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from importlib import resources
 
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 
 from service.keys import EVENT_FIELD, Keys
 from service.stream import events as ev
@@ -214,15 +214,14 @@ class AppendBatcher:
                 await self._flush(batch)
 
     async def _flush(self, batch: list[_Pending]) -> None:
-        pipe = self._log.redis.pipeline(transaction=False)
-        for item in batch:
-            keys, args = self._log.append_args(
-                item.request_id, item.epoch, item.events, item.terminal_state, item.ttl_s
-            )
-            # through the Script object: the pipeline loads the script if Redis lost it
-            await self._log.append_script(keys=keys, args=args, client=pipe)
         try:
-            results = list(await pipe.execute(raise_on_error=False))
+            results = await self._send(batch)
+            missing = [i for i, r in enumerate(results) if _is_noscript(r)]
+            if missing:  # Redis lost its script cache (restart, SCRIPT FLUSH): load, resend those
+                await self._log.redis.script_load(self._log.append_script.script)
+                again = await self._send([batch[i] for i in missing])
+                for i, r in zip(missing, again, strict=True):
+                    results[i] = r
         except Exception as exc:  # connection trouble: every caller of this flush sees it
             for item in batch:
                 if not item.future.done():
@@ -236,4 +235,20 @@ class AppendBatcher:
             if isinstance(result, ResponseError):
                 item.future.set_exception(_map_error(result))
             else:
-                item.future.set_result([_decode_id(r) for r in result])
+                item.future.set_result([_decode_id(r) for r in result])  # type: ignore[attr-defined]
+
+    async def _send(self, batch: list[_Pending]) -> list[object]:
+        """One pipelined round trip of EVALSHA calls (a Script object in a pipeline would
+        add a SCRIPT EXISTS round trip to every flush)."""
+        pipe = self._log.redis.pipeline(transaction=False)
+        sha = self._log.append_script.sha
+        for item in batch:
+            keys, args = self._log.append_args(
+                item.request_id, item.epoch, item.events, item.terminal_state, item.ttl_s
+            )
+            pipe.evalsha(sha, len(keys), *keys, *args)
+        return list(await pipe.execute(raise_on_error=False))
+
+
+def _is_noscript(result: object) -> bool:
+    return isinstance(result, NoScriptError)

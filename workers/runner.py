@@ -56,6 +56,7 @@ class Runner:
         self.queue = RequestQueue(redis, keys)
         self.batcher = AppendBatcher(self.log)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[None]] = set()  # ledger writes
         self._stopping = asyncio.Event()
 
     def stop(self) -> None:
@@ -91,6 +92,8 @@ class Runner:
         """Let running requests finish (bounded by their deadlines)."""
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._background:  # give pending ledger writes a moment
+            await asyncio.wait(self._background, timeout=5)
 
     async def _serve(self, entry_id: bytes, job: Job) -> None:
         rid = job.request_id
@@ -123,7 +126,9 @@ class Runner:
             return
         if created is not None and self.ledger is not None:
             rec = self._record(rid, created, end, ids[-1], outcome)
-            asyncio.create_task(self._record_with_retry(rec))
+            task = asyncio.create_task(self._record_with_retry(rec))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     async def _generate(self, job: Job, epoch: int) -> _Outcome:
         rid = job.request_id

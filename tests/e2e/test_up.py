@@ -1,0 +1,56 @@
+"""`lastevent up` (what `make run` runs): embedded Valkey + Postgres, migrations, API, worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from tests.e2e.conftest import free_port
+
+
+def test_up_with_embedded_servers_serves_and_stops_cleanly(tmp_path: Path, model_dir: Path) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LASTEVENT_")}
+    env.update(
+        LASTEVENT_DATA_DIR=str(tmp_path / "data"),
+        LASTEVENT_MODEL_DIR=str(model_dir),
+        LASTEVENT_ENGINE="scripted",
+        LASTEVENT_PORT=str(port),
+    )
+    log = open(tmp_path / "up.log", "wb")  # noqa: SIM115
+    up = subprocess.Popen([sys.executable, "-m", "service.cli", "up"], env=env, stdout=log,
+                          stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            assert up.poll() is None, (tmp_path / "up.log").read_text()
+            try:
+                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        else:
+            raise AssertionError((tmp_path / "up.log").read_text())
+        resp = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+            "model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hello up"}]})
+        assert resp.json()["choices"][0]["message"]["content"] == "hello up"
+        children = psutil.Process(up.pid).children(recursive=True)
+        assert children
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        up.wait(timeout=60)
+    assert up.returncode == 0, (tmp_path / "up.log").read_text()
+    time.sleep(0.5)
+    alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert alive == [], [c.cmdline() for c in alive]
+    assert "lastevent stopped" in (tmp_path / "up.log").read_text()
