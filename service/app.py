@@ -21,6 +21,7 @@ from service.api.system import SystemController
 from service.db.ledger import Ledger, make_engine
 from service.errors import ApiError
 from service.keys import Keys
+from service.metrics import REJECTED
 from service.queue import RequestQueue
 from service.redis_log import RedisLog
 from service.requests import Context
@@ -32,6 +33,7 @@ log = logging.getLogger("lastevent.api")
 
 
 def _error_response(exc: ApiError) -> Response[Any]:
+    REJECTED.labels(status=str(exc.status_code)).inc()
     return Response(exc.body(), status_code=exc.status_code, headers=exc.headers)
 
 
@@ -49,6 +51,7 @@ def _http_error(_: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
         if isinstance(first, dict):
             message = f"{exc.detail}: {first.get('message', '')}".rstrip(": ")
             param = str(first.get("key") or "") or None
+    REJECTED.labels(status=str(status)).inc()
     kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
     body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
     return Response(body, status_code=status, headers=dict(exc.headers or {}))

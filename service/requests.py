@@ -12,6 +12,7 @@ from redis.asyncio import Redis
 
 from service.db.ledger import Ledger
 from service.errors import InvalidRequest
+from service.metrics import READERS
 from service.queue import Job, RequestQueue
 from service.redis_log import RedisLog
 from service.settings import Settings
@@ -141,6 +142,7 @@ async def sse_frames(
     """The request's log as SSE bytes, from ``cursor`` on, until its terminal event."""
     renderer = ChunkRenderer(rid, created)
     sub = ctx.tailer.subscribe(rid, _before(cursor))
+    READERS.inc()
     keepalive_s = ctx.settings.keepalive_s
     try:
         while True:
@@ -169,12 +171,14 @@ async def sse_frames(
                 return
     finally:
         sub.close()
+        READERS.dec()
 
 
 async def collect(ctx: Context, rid: str, created: Created) -> ResponseAggregate:
     """Wait for the whole answer (a non-streaming client)."""
     agg = ResponseAggregate(rid, created)
     sub = ctx.tailer.subscribe(rid, None)
+    READERS.inc()
     try:
         async for batch in sub.batches():
             for _eid, event in batch:
@@ -183,4 +187,5 @@ async def collect(ctx: Context, rid: str, created: Created) -> ResponseAggregate
                     return agg
     finally:
         sub.close()
+        READERS.dec()
     return agg

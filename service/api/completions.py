@@ -9,6 +9,7 @@ from litestar.response import Stream
 
 from service.api.schemas import ChatCompletionRequest, CompletionRequest, message_dicts
 from service.errors import ApiError, InvalidRequest
+from service.metrics import REQUESTS
 from service.requests import (
     Context,
     Submission,
@@ -59,6 +60,7 @@ def _submission(
 
 async def _answer(ctx: Context, body: Any, sub: Submission) -> Response[Any] | Stream:
     rid, created = await submit(ctx, sub, body.model)
+    REQUESTS.labels(kind=str(sub.kind), stream=str(bool(body.stream)).lower()).inc()
     headers = {REQUEST_ID_HEADER: rid}
     if body.stream:
         return Stream(

@@ -10,6 +10,7 @@ from litestar.response import Stream
 
 from service.api.completions import REQUEST_ID_HEADER
 from service.errors import InvalidRequest, NotFound
+from service.metrics import RESUMES
 from service.requests import Context, sse_frames
 from service.stream import sse
 from service.stream.events import End
@@ -47,6 +48,7 @@ class RequestsController(Controller):
             raise NotFound(f"no request '{request_id}'", param="request_id", code="not_found")
         frames = sse_frames(ctx, request_id, created, cursor)
         if cursor is not None:
+            RESUMES.inc()
             if not await ctx.log.has_event(request_id, cursor.event):
                 raise InvalidRequest(
                     f"event id '{cursor}' is not an event of request '{request_id}'",

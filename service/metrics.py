@@ -1,0 +1,12 @@
+"""Prometheus metrics of the API process (exposed at /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge
+
+REQUESTS = Counter(
+    "lastevent_requests_total", "Requests accepted into the queue", ["kind", "stream"]
+)
+REJECTED = Counter("lastevent_rejected_total", "Requests answered with an error status", ["status"])
+READERS = Gauge("lastevent_readers", "Readers following a log in this API process")
+RESUMES = Counter("lastevent_resumes_total", "Event-stream reads that started after a cursor")

@@ -1,0 +1,107 @@
+"""In-band errors from a failing or stalled engine; readers that vanish leave nothing behind."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from httpx_sse import EventSource
+
+from tests.e2e.conftest import Stack, make_stack
+from tests.e2e.helpers import LONG, chat_body, content_of, finish_reason, ledger_row, read_all
+
+
+@pytest.fixture(scope="module")
+def faulty(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
+) -> Iterator[Stack]:
+    """One worker whose engine fails after 5 tokens."""
+    st = make_stack(tmp_path_factory.mktemp("faulty"), redis_url, database_url, model_dir,
+                    scripted_fail_after=5)
+    try:
+        st.start_worker()
+        st.start_api()
+        yield st
+    finally:
+        st.stop()
+
+
+@pytest.fixture(scope="module")
+def stalled(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
+) -> Iterator[Stack]:
+    """One worker whose engine stops producing after 3 tokens; deadline 2 s."""
+    st = make_stack(tmp_path_factory.mktemp("stalled"), redis_url, database_url, model_dir,
+                    scripted_stall_after=3, request_deadline_s=2.0)
+    try:
+        st.start_worker()
+        st.start_api()
+        yield st
+    finally:
+        st.stop()
+
+
+def _error_event(events: list) -> dict:  # type: ignore[type-arg]
+    errors = [json.loads(e.data)["error"] for e in events if e.data and '"error"' in e.data[:10]]
+    assert len(errors) == 1, [e.data for e in events]
+    return errors[0]
+
+
+def test_engine_failure_is_an_in_band_error(faulty: Stack) -> None:
+    with httpx.Client(base_url=faulty.url, timeout=30) as client:
+        headers, events = read_all(client, "POST", "/v1/chat/completions",
+                                   json=chat_body(faulty.model, LONG, stream=True))
+        err = _error_event(events)
+        assert err["code"] == "engine_failure"
+        assert finish_reason(events) is None
+        assert events[-1].data != "[DONE]"
+        assert LONG.startswith(content_of(events))
+        rid = headers["x-request-id"]
+        status = client.get(f"/v1/requests/{rid}").json()
+        assert status["state"] == "errored"
+        # non-streaming: an error status with the same error object
+        resp = client.post("/v1/chat/completions", json=chat_body(faulty.model, LONG))
+        assert resp.status_code == 500
+        assert resp.json()["error"]["code"] == "engine_failure"
+    row = ledger_row(faulty.settings.database_url or "", rid)
+    assert row is not None and row["state"] == "errored" and row["error_code"] == "engine_failure"
+    assert row["completion_tokens"] == 5
+
+
+def test_stalled_engine_hits_the_deadline(stalled: Stack) -> None:
+    with httpx.Client(base_url=stalled.url, timeout=30) as client:
+        started = time.monotonic()
+        headers, events = read_all(client, "POST", "/v1/chat/completions",
+                                   json=chat_body(stalled.model, LONG, stream=True))
+        elapsed = time.monotonic() - started
+    assert _error_event(events)["code"] == "deadline_exceeded"
+    assert elapsed < 15
+    row = ledger_row(stalled.settings.database_url or "", headers["x-request-id"])
+    assert row is not None and row["state"] == "errored" and row["error_code"] == "deadline"
+
+
+def _readers(url: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    match = re.search(r"^lastevent_readers (\S+)$", text, re.M)
+    assert match, text
+    return float(match.group(1))
+
+
+def test_a_reader_that_vanishes_is_unsubscribed(stalled: Stack) -> None:
+    """Disconnect mid-stream: the API process stops following the log for that client."""
+    assert _readers(stalled.url) == 0
+    with httpx.Client(base_url=stalled.url, timeout=30) as client:
+        with client.stream("POST", "/v1/chat/completions",
+                           json=chat_body(stalled.model, LONG, stream=True)) as r:
+            for _event in EventSource(r).iter_sse():
+                assert _readers(stalled.url) == 1
+                break
+    deadline = time.monotonic() + 5
+    while _readers(stalled.url) != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _readers(stalled.url) == 0
