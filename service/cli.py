@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     prep.add_argument("--force", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     settings = Settings.from_env()
     if args.cmd == "up":
         cmd_up(settings)
