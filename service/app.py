@@ -18,6 +18,7 @@ from redis.asyncio import Redis
 from service.api.completions import CompletionsController
 from service.api.requests import RequestsController
 from service.api.system import SystemController
+from service.control import Control, Presence
 from service.db.ledger import Ledger, make_engine
 from service.errors import ApiError
 from service.keys import Keys
@@ -81,6 +82,10 @@ def create_app(settings: Settings) -> Litestar:
             tail_redis, keys, block_ms=settings.tail_block_ms, count=settings.tail_count
         )
         engine = make_engine(settings.database_url) if settings.database_url else None
+        control = Control(redis, keys)
+        presence = Presence(
+            control, lease_ttl_s=settings.lease_ttl_s, refresh_s=settings.lease_refresh_s
+        )
         app.state.ctx = Context(
             settings=settings,
             redis=redis,
@@ -89,11 +94,15 @@ def create_app(settings: Settings) -> Litestar:
             tailer=tailer,
             model=model,
             ledger=Ledger(engine) if engine else None,
+            control=control,
+            presence=presence,
         )
         await tailer.start()
+        await presence.start()
         try:
             yield
         finally:
+            await presence.stop()
             await tailer.stop()
             if engine is not None:
                 await engine.dispose()

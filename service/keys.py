@@ -28,8 +28,17 @@ class Keys:
         return f"{self.prefix}:{{{request_id}}}:log"
 
     def meta(self, request_id: str) -> str:
-        """The request's control hash: owner epoch, owner, state, last event id."""
+        """The request's control hash: owner epoch, owner, state, last event id, cancel flag,
+        resume grace (ms), detached flag, when the last reader left (ms), tokens delivered."""
         return f"{self.prefix}:{{{request_id}}}:meta"
+
+    def readers(self, request_id: str) -> str:
+        """The request's reader leases: a sorted set of reader tokens scored by expiry (ms)."""
+        return f"{self.prefix}:{{{request_id}}}:readers"
+
+    def control(self, worker_id: str) -> str:
+        """A worker's pub/sub channel: ``cancel:<request id>`` / ``check:<request id>``."""
+        return f"{self.prefix}:ctl:{worker_id}"
 
     def wake(self, process_id: str) -> str:
         """A per-API-process stream used to wake its multiplexed XREAD BLOCK."""

@@ -77,10 +77,19 @@ class RedisLog:
         self._claim = redis.register_script(_script("claim.lua"))
         self.append_script = redis.register_script(_script("append.lua"))
 
-    async def create(self, request_id: str, created: ev.Created, safety_ttl_s: int) -> EventId:
+    async def create(
+        self,
+        request_id: str,
+        created: ev.Created,
+        safety_ttl_s: int,
+        *,
+        grace_ms: int = 30_000,
+        detached: bool = False,
+    ) -> EventId:
         keys = [self.keys.meta(request_id), self.keys.log(request_id)]
+        args = [ev.encode(created), safety_ttl_s, grace_ms, "1" if detached else "0"]
         try:
-            raw = await self._create(keys=keys, args=[ev.encode(created), safety_ttl_s])
+            raw = await self._create(keys=keys, args=args)
         except ResponseError as exc:
             raise _map_error(exc) from None
         return _decode_id(raw)
@@ -114,7 +123,11 @@ class RedisLog:
         terminal_state: str,
         ttl_s: int,
     ) -> tuple[list[str], list[bytes | str | int]]:
-        keys = [self.keys.meta(request_id), self.keys.log(request_id)]
+        keys = [
+            self.keys.meta(request_id),
+            self.keys.log(request_id),
+            self.keys.readers(request_id),
+        ]
         args: list[bytes | str | int] = [str(epoch), terminal_state, ttl_s]
         args.extend(ev.encode(e) for e in events)
         return keys, args

@@ -4,24 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime as dt
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from redis.asyncio import Redis
 
-from service.db.ledger import Ledger
+from service.control import Control, Lease, Presence
+from service.db.ledger import Ledger, Record
 from service.errors import InvalidRequest
 from service.metrics import READERS
 from service.queue import Job, RequestQueue
 from service.redis_log import RedisLog
 from service.settings import Settings
 from service.stream import sse
-from service.stream.events import Created, End, Kind
+from service.stream.events import Created, Delta, End, Kind
 from service.stream.ids import Cursor, EventId, frame_ids, frames_to_skip
-from service.stream.render import ChunkRenderer, ResponseAggregate
+from service.stream.render import ChunkRenderer, ResponseAggregate, usage
 from service.tail import LogTailer
 from service.tokenize import ModelInfo
+
+log = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LEN = 64
@@ -38,6 +44,8 @@ class Context:
     tailer: LogTailer
     model: ModelInfo
     ledger: Ledger | None
+    control: Control
+    presence: Presence
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -50,6 +58,8 @@ class Submission:
     seed: int | None
     stop: list[str]
     include_usage: bool
+    resume_grace_s: float
+    detached: bool
 
 
 def new_request_id(kind: Kind) -> str:
@@ -97,8 +107,11 @@ def check_max_tokens(requested: int | None, prompt_tokens: int, settings: Settin
     return requested
 
 
-async def submit(ctx: Context, sub: Submission, model_name: str) -> tuple[str, Created]:
-    """Create the log (``created`` event), then enqueue the job."""
+async def submit(ctx: Context, sub: Submission, model_name: str) -> tuple[str, Created, Lease]:
+    """Create the log (``created`` event), take the caller's reader lease, enqueue the job.
+
+    The lease exists before any worker can see the job, so a worker never mistakes a
+    request whose client is still connecting for an abandoned one."""
     rid = new_request_id(sub.kind)
     created = Created(
         kind=str(sub.kind),
@@ -109,7 +122,14 @@ async def submit(ctx: Context, sub: Submission, model_name: str) -> tuple[str, C
     )
     settings = ctx.settings
     safety_ttl_s = int(settings.hot_log_ttl_s + 2 * settings.request_deadline_s)
-    await ctx.log.create(rid, created, safety_ttl_s)
+    await ctx.log.create(
+        rid,
+        created,
+        safety_ttl_s,
+        grace_ms=int(sub.resume_grace_s * 1000),
+        detached=sub.detached,
+    )
+    lease = await ctx.presence.acquire(rid, adopted=False)
     deadline = time.time() + settings.request_deadline_s
     await ctx.queue.enqueue(
         Job(
@@ -123,7 +143,7 @@ async def submit(ctx: Context, sub: Submission, model_name: str) -> tuple[str, C
             deadline_unix_s=deadline,
         )
     )
-    return rid, created
+    return rid, created, lease
 
 
 def _before(cursor: Cursor | None) -> EventId | None:
@@ -137,10 +157,19 @@ def _before(cursor: Cursor | None) -> EventId | None:
 
 
 async def sse_frames(
-    ctx: Context, rid: str, created: Created, cursor: Cursor | None = None
+    ctx: Context,
+    rid: str,
+    created: Created,
+    cursor: Cursor | None = None,
+    lease: Lease | None = None,
 ) -> AsyncIterator[bytes]:
-    """The request's log as SSE bytes, from ``cursor`` on, until its terminal event."""
+    """The request's log as SSE bytes, from ``cursor`` on, until its terminal event.
+
+    The reader holds a presence lease for as long as it is connected."""
     renderer = ChunkRenderer(rid, created)
+    if lease is None:
+        lease = await ctx.presence.acquire(rid)
+    lease.adopted = True
     sub = ctx.tailer.subscribe(rid, _before(cursor))
     READERS.inc()
     keepalive_s = ctx.settings.keepalive_s
@@ -155,7 +184,10 @@ async def sse_frames(
                 raise batch
             out: list[bytes] = []
             ended = False
+            delivered = lease.delivered
             for eid, event in batch:
+                if isinstance(event, Delta):
+                    delivered = max(delivered, event.n)
                 skip = frames_to_skip(cursor, eid)
                 if skip is not None:
                     payloads = renderer.render(event)
@@ -167,16 +199,19 @@ async def sse_frames(
                     break
             if out:
                 yield b"".join(out)
+            lease.delivered = delivered  # the send completed: it reached the connection
             if ended:
                 return
     finally:
         sub.close()
         READERS.dec()
+        await lease.release()
 
 
-async def collect(ctx: Context, rid: str, created: Created) -> ResponseAggregate:
-    """Wait for the whole answer (a non-streaming client)."""
+async def collect(ctx: Context, rid: str, created: Created, lease: Lease) -> ResponseAggregate:
+    """Wait for the whole answer (a non-streaming client, holding ``lease`` meanwhile)."""
     agg = ResponseAggregate(rid, created)
+    lease.adopted = True
     sub = ctx.tailer.subscribe(rid, None)
     READERS.inc()
     try:
@@ -184,8 +219,75 @@ async def collect(ctx: Context, rid: str, created: Created) -> ResponseAggregate
             for _eid, event in batch:
                 agg.add(event)
                 if isinstance(event, End):
+                    lease.delivered = event.completion_tokens
                     return agg
     finally:
         sub.close()
         READERS.dec()
+        await lease.release()
     return agg
+
+
+async def request_status(ctx: Context, rid: str) -> dict[str, Any] | None:
+    """State, finish_reason, usage and last event id: from the hot log, else the ledger."""
+    meta = await ctx.log.meta(rid)
+    if meta is not None:
+        created = await ctx.log.first(rid)
+        last = await ctx.log.last(rid)
+        end = last[1] if last is not None and isinstance(last[1], End) else None
+        return {
+            "id": rid,
+            "object": "request",
+            "state": meta.state,
+            "model": created.model if created else None,
+            "created": created.created if created else None,
+            "finish_reason": end.finish_reason if end else None,
+            "usage": usage(end) if end else None,
+            "last_event_id": meta.last_event_id,
+        }
+    row = await ctx.ledger.get(rid) if ctx.ledger is not None else None
+    if row is None:
+        return None
+    return {
+        "id": row.id,
+        "object": "request",
+        "state": row.state,
+        "model": row.model,
+        "created": int(row.created_at.timestamp()),
+        "finish_reason": row.finish_reason,
+        "usage": {
+            "prompt_tokens": row.prompt_tokens,
+            "completion_tokens": row.completion_tokens,
+            "total_tokens": row.total_tokens,
+        },
+        "last_event_id": row.last_event_id,
+    }
+
+
+async def record_queued_cancel(
+    ctx: Context, rid: str, created: Created, end: End, end_id: str
+) -> None:
+    """A request cancelled before any worker claimed it: the API writes its row."""
+    if ctx.ledger is None:
+        return
+    ended = EventId.parse(end_id)
+    rec = Record(
+        id=rid,
+        kind=created.kind,
+        model=created.model,
+        created_at=dt.datetime.fromtimestamp(created.created, tz=dt.UTC),
+        first_token_at=None,
+        ended_at=dt.datetime.fromtimestamp(ended.ms / 1000, tz=dt.UTC),
+        state=end.state,
+        finish_reason=end.finish_reason,
+        prompt_tokens=end.prompt_tokens,
+        completion_tokens=0,
+        wasted_tokens=0,
+        error_code=None,
+        worker_id=None,
+        last_event_id=end_id,
+    )
+    try:
+        await ctx.ledger.record(rec)
+    except Exception as exc:  # noqa: BLE001 - streaming and cancel never wait on Postgres
+        log.warning("ledger write for cancelled %s failed: %s", rid, exc)

@@ -47,6 +47,14 @@ class Settings:
     tail_count: int = 512  # XREAD COUNT per stream per call
     keepalive_s: float = 15.0  # `: ping` comment after this long without an event
 
+    # presence, abandonment, cancel
+    resume_grace_s: float = 30.0  # abort a request whose last reader left this long ago
+    max_resume_grace_s: float = 3600.0  # the largest per-request grace a client may ask for
+    lease_ttl_s: float = 10.0  # a reader's lease lapses this long after its last refresh
+    lease_refresh_s: float = 3.0  # how often an API process refreshes its readers' leases
+    presence_check_s: float = 0.5  # how often a worker checks its requests' readers and cancels
+    cancel_wait_s: float = 5.0  # POST .../cancel waits this long for the terminal event
+
     # worker
     engine: str = "cpu"  # cpu | scripted
     worker_id: str = dataclasses.field(
@@ -60,6 +68,7 @@ class Settings:
     scripted_text: str | None = None  # None: echo the last user message
     scripted_fail_after: int | None = None  # raise after this many tokens
     scripted_stall_after: int | None = None  # stop producing after this many tokens
+    scripted_prefill_s: float = 0.0  # a prefill this long before the first token
 
     @property
     def resolved_model_dir(self) -> Path:

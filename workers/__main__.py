@@ -27,6 +27,7 @@ def build_engine(settings: Settings, model: ModelInfo) -> Engine:
             text=settings.scripted_text,
             fail_after=settings.scripted_fail_after,
             stall_after=settings.scripted_stall_after,
+            prefill_s=settings.scripted_prefill_s,
         )
     if settings.engine == "cpu":
         from workers.engines.cpu import CpuEngine

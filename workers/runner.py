@@ -17,16 +17,18 @@ import time
 
 from redis.asyncio import Redis
 
+from service.control import ABANDONED, CANCELLED, Control
 from service.db.ledger import Ledger, Record
 from service.keys import Keys
 from service.queue import Job, RequestQueue
 from service.redis_log import AppendBatcher, Fenced, LogError, RedisLog
 from service.settings import Settings
 from service.stream.assemble import Assembler
-from service.stream.events import Created, End, Event, State
+from service.stream.events import Created, End, Event, FinishReason, State
 from service.stream.ids import EventId
 from service.tokenize import ModelInfo
 from workers.engines.base import Engine, EngineError, SamplingParams
+from workers.metrics import ABORTS, WASTED_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,10 @@ class _Outcome:
     events: list[Event]
     first_token_at: float | None
     error_code: str | None = None
+    covered_tokens: int | None = None  # tokens made before an abort decision (None: no abort)
+
+
+_DECIDED = {CANCELLED: State.CANCELLED, ABANDONED: State.ABANDONED}
 
 
 class Runner:
@@ -54,7 +60,12 @@ class Runner:
         keys = Keys(settings.key_prefix)
         self.log = RedisLog(redis, keys)
         self.queue = RequestQueue(redis, keys)
+        self.control = Control(redis, keys)
         self.batcher = AppendBatcher(self.log)
+        self.redis = redis
+        self.keys = keys
+        self.running: set[str] = set()  # request ids inside the engine
+        self.decisions: dict[str, State] = {}  # cancel / abandon decisions not yet applied
         self._tasks: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Task[None]] = set()  # ledger writes
         self._stopping = asyncio.Event()
@@ -65,6 +76,10 @@ class Runner:
     async def run(self) -> None:
         await self.queue.ensure_group()
         self.batcher.start()
+        watchers = [
+            asyncio.create_task(self._watch_presence(), name="presence-check"),
+            asyncio.create_task(self._listen_control(), name="control"),
+        ]
         slots = asyncio.Semaphore(self.settings.worker_concurrency)
         try:
             while not self._stopping.is_set():
@@ -86,7 +101,58 @@ class Runner:
                     task.add_done_callback(lambda _t: slots.release())
             await self._drain()
         finally:
+            for task in watchers:
+                task.cancel()
+            await asyncio.gather(*watchers, return_exceptions=True)
             await self.batcher.close()
+
+    def decide(self, rid: str, state: State) -> None:
+        """Cancel or abandon: abort the engine now; ``_generate`` writes the end."""
+        if rid not in self.running or rid in self.decisions:
+            return
+        self.decisions[rid] = state
+        ABORTS.labels(reason=str(state)).inc()
+        task = asyncio.create_task(self.engine.abort(rid))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _watch_presence(self) -> None:
+        """Every ``presence_check_s``: one round trip asks about all running requests."""
+        while True:
+            await asyncio.sleep(self.settings.presence_check_s)
+            rids = [r for r in self.running if r not in self.decisions]
+            try:
+                verdicts = await self.control.check(rids)
+            except Exception as exc:
+                log.warning("presence check failed: %s", exc)
+                continue
+            for rid, verdict in verdicts.items():
+                if verdict in _DECIDED:
+                    self.decide(rid, _DECIDED[verdict])
+
+    async def _listen_control(self) -> None:
+        """Cancels (and nudges) published to this worker's channel, acted on at once."""
+        channel = self.keys.control(self.settings.worker_id)
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(channel)
+                async for message in pubsub.listen():
+                    verb, _, rid = message["data"].decode().partition(":")
+                    if verb == "cancel":
+                        self.decide(rid, State.CANCELLED)
+                    elif verb == "check" and rid in self.running:
+                        verdict = (await self.control.check([rid])).get(rid, 0)
+                        if verdict in _DECIDED:
+                            self.decide(rid, _DECIDED[verdict])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # reconnect; the periodic check covers the gap
+                log.warning("control channel failed (resubscribing): %s", exc)
+                await asyncio.sleep(0.5)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
 
     async def _drain(self) -> None:
         """Let running requests finish (bounded by their deadlines)."""
@@ -103,9 +169,16 @@ class Runner:
                 await self.queue.ack(entry_id)
                 return
             created = await self.log.first(rid)
-            outcome = await self._generate(job, epoch)
+            self.running.add(rid)
+            try:
+                outcome = await self._generate(job, epoch)
+            finally:
+                self.running.discard(rid)
+                self.decisions.pop(rid, None)
             end = outcome.events[-1]
             assert isinstance(end, End)
+            end.wasted_tokens = await self._wasted(rid, end, outcome)
+            WASTED_TOKENS.inc(end.wasted_tokens)
             ids = await self.batcher.append(
                 rid,
                 epoch,
@@ -130,6 +203,21 @@ class Runner:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
+    async def _wasted(self, rid: str, end: End, outcome: _Outcome) -> int:
+        """Tokens generated that no reader got: after an abort decision, and -- when no
+        reader is left -- everything past what the last reader was sent."""
+        covered = end.completion_tokens if outcome.covered_tokens is None else outcome.covered_tokens
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hget(self.keys.meta(rid), "delivered")
+            pipe.zcount(self.keys.readers(rid), int(time.time() * 1000), "+inf")
+            delivered_raw, present = await pipe.execute()
+        except Exception:
+            return end.completion_tokens - covered
+        if not present:
+            covered = min(covered, int(delivered_raw or 0))
+        return max(0, end.completion_tokens - covered)
+
     async def _generate(self, job: Job, epoch: int) -> _Outcome:
         rid = job.request_id
         asm = Assembler(
@@ -146,6 +234,7 @@ class Runner:
             stop_token_ids=self.model.eos_token_ids,
         )
         first_token_at: float | None = None
+        covered: int | None = None
         budget = job.deadline_unix_s - time.time() if job.deadline_unix_s else None
         reason: str | None = None
         try:
@@ -155,6 +244,12 @@ class Runner:
                     async for out in gen:
                         if out.token_ids and first_token_at is None:
                             first_token_at = time.time()
+                        if rid in self.decisions:  # decided: count what the engine still made
+                            covered = asm.completion_tokens if covered is None else covered
+                            asm.completion_tokens += len(out.token_ids)
+                            if out.finished:
+                                break
+                            continue
                         step = asm.step(out.token_ids)
                         if step.events:
                             await self.batcher.append(rid, epoch, step.events)
@@ -170,11 +265,15 @@ class Runner:
             return _Outcome(asm.fail("deadline_exceeded", msg), first_token_at, "deadline")
         except EngineError as exc:
             return _Outcome(asm.fail(exc.code, str(exc)), first_token_at, exc.code)
-        if reason == "abort":
-            events = asm.finish(State.CANCELLED, "cancelled")
-        else:
-            events = asm.finish(State.FINISHED, reason)
-        return _Outcome(events, first_token_at)
+        decided = self.decisions.get(rid)
+        if decided is not None:
+            covered = asm.completion_tokens if covered is None else covered
+            reason_for = {State.CANCELLED: FinishReason.CANCELLED, State.ABANDONED: FinishReason.ABANDONED}
+            events = asm.finish(decided, reason_for[decided])
+            return _Outcome(events, first_token_at, covered_tokens=covered)
+        if reason == "abort":  # the engine aborted on its own (e.g. shutting down)
+            return _Outcome(asm.fail("engine_aborted", "the engine aborted the request"), first_token_at, "engine_aborted")
+        return _Outcome(asm.finish(State.FINISHED, reason), first_token_at)
 
     def _record(
         self, rid: str, created: Created, end: End, end_id: EventId, outcome: _Outcome
@@ -193,6 +292,7 @@ class Runner:
             finish_reason=end.finish_reason,
             prompt_tokens=end.prompt_tokens,
             completion_tokens=end.completion_tokens,
+            wasted_tokens=end.wasted_tokens,
             error_code=outcome.error_code,
             worker_id=self.settings.worker_id,
             last_event_id=str(end_id),

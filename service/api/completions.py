@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
-from litestar import Controller, Response, post
+from litestar import Controller, Request, Response, post
 from litestar.response import Stream
 
 from service.api.schemas import ChatCompletionRequest, CompletionRequest, message_dicts
@@ -24,6 +26,7 @@ from service.stream.events import Kind, State
 from service.stream.render import error_object
 
 REQUEST_ID_HEADER = "X-Request-Id"
+T = TypeVar("T")
 
 
 def _check_common(ctx: Context, body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -46,6 +49,16 @@ def _submission(
 ) -> Submission:
     settings = ctx.settings
     ctx_len = min(ctx.model.max_model_len, settings.max_model_len)
+    options = body.stream_options
+    grace = settings.resume_grace_s
+    if options is not None and options.resume_grace_s is not None:
+        grace = options.resume_grace_s
+        if grace > settings.max_resume_grace_s:
+            raise InvalidRequest(
+                f"stream_options.resume_grace_s is {grace:g}; at most "
+                f"{settings.max_resume_grace_s:g} seconds are allowed",
+                param="stream_options.resume_grace_s",
+            )
     return Submission(
         kind=kind,
         prompt_token_ids=prompt_ids,
@@ -54,21 +67,27 @@ def _submission(
         top_p=1.0 if body.top_p is None else body.top_p,
         seed=body.seed,
         stop=check_stop(body.stop),
-        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        include_usage=bool(options and options.include_usage),
+        resume_grace_s=grace,
+        detached=bool(options and options.detached),
     )
 
 
-async def _answer(ctx: Context, body: Any, sub: Submission) -> Response[Any] | Stream:
-    rid, created = await submit(ctx, sub, body.model)
+async def _answer(
+    ctx: Context, request: Request[Any, Any, Any], body: Any, sub: Submission
+) -> Response[Any] | Stream:
+    rid, created, lease = await submit(ctx, sub, body.model)
     REQUESTS.labels(kind=str(sub.kind), stream=str(bool(body.stream)).lower()).inc()
     headers = {REQUEST_ID_HEADER: rid}
     if body.stream:
         return Stream(
-            sse_frames(ctx, rid, created),
+            sse_frames(ctx, rid, created, lease=lease),
             media_type=sse.MEDIA_TYPE,
             headers={**sse.HEADERS, **headers},
         )
-    agg = await collect(ctx, rid, created)
+    agg = await until_disconnect(request, collect(ctx, rid, created, lease))
+    if agg is None:  # the client went away; its lease is released, the grace period runs
+        return Response(b"", status_code=499, headers=headers)
     if agg.end is not None and agg.end.state == State.ERRORED:
         err = agg.error
         content = error_object(err) if err else ApiError("the request failed").body()
@@ -76,12 +95,37 @@ async def _answer(ctx: Context, body: Any, sub: Submission) -> Response[Any] | S
     return Response(agg.response(), headers=headers)
 
 
+async def until_disconnect(
+    request: Request[Any, Any, Any], work: Coroutine[Any, Any, T]
+) -> T | None:
+    """Run ``work`` unless the client disconnects first (then cancel it, return None)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    return task.result() if not task.cancelled() else None
+
+
 class CompletionsController(Controller):
     path = "/v1"
     tags = ["completions"]
 
     @post("/chat/completions", status_code=200, summary="Create a chat completion")
-    async def chat(self, ctx: Context, data: ChatCompletionRequest) -> Response[Any] | Stream:
+    async def chat(
+        self, ctx: Context, request: Request[Any, Any, Any], data: ChatCompletionRequest
+    ) -> Response[Any] | Stream:
         _check_common(ctx, data)
         if not data.messages:
             raise InvalidRequest("'messages' must not be empty", param="messages")
@@ -91,10 +135,13 @@ class CompletionsController(Controller):
             raise InvalidRequest(f"invalid messages: {exc}", param="messages") from None
         prompt_ids = ctx.model.encode(text)
         max_tokens = data.max_completion_tokens or data.max_tokens
-        return await _answer(ctx, data, _submission(ctx, data, Kind.CHAT, prompt_ids, max_tokens))
+        sub = _submission(ctx, data, Kind.CHAT, prompt_ids, max_tokens)
+        return await _answer(ctx, request, data, sub)
 
     @post("/completions", status_code=200, summary="Create a text completion")
-    async def completions(self, ctx: Context, data: CompletionRequest) -> Response[Any] | Stream:
+    async def completions(
+        self, ctx: Context, request: Request[Any, Any, Any], data: CompletionRequest
+    ) -> Response[Any] | Stream:
         _check_common(ctx, data)
         prompt = data.prompt
         if isinstance(prompt, list) and any(isinstance(p, str) for p in prompt):
@@ -117,6 +164,5 @@ class CompletionsController(Controller):
             prompt_ids = [int(t) for t in prompt]
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
-        return await _answer(
-            ctx, data, _submission(ctx, data, Kind.TEXT, prompt_ids, data.max_tokens)
-        )
+        sub = _submission(ctx, data, Kind.TEXT, prompt_ids, data.max_tokens)
+        return await _answer(ctx, request, data, sub)

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from litestar import Controller, Request, get
+from litestar import Controller, Request, Response, get, post
 from litestar.response import Stream
 
 from service.api.completions import REQUEST_ID_HEADER
 from service.errors import InvalidRequest, NotFound
 from service.metrics import RESUMES
-from service.requests import Context, sse_frames
+from service.requests import Context, record_queued_cancel, request_status, sse_frames
 from service.stream import sse
-from service.stream.events import End
+from service.stream.events import End, FinishReason, State
 from service.stream.ids import Cursor, InvalidEventId
-from service.stream.render import usage
 
 
 def _cursor(raw: str | None, param: str) -> Cursor | None:
@@ -67,38 +68,40 @@ class RequestsController(Controller):
 
     @get("/{request_id:str}", summary="A request's state, finish_reason and usage")
     async def status(self, ctx: Context, request_id: str) -> dict[str, Any]:
-        meta = await ctx.log.meta(request_id)
-        if meta is not None:
-            last = await ctx.log.last(request_id)
-            created = await ctx.log.first(request_id)
-            out: dict[str, Any] = {
-                "id": request_id,
-                "object": "request",
-                "state": meta.state,
-                "model": created.model if created else None,
-                "created": created.created if created else None,
-                "finish_reason": None,
-                "usage": None,
-                "last_event_id": meta.last_event_id,
-            }
-            if last is not None and isinstance(last[1], End):
-                out["finish_reason"] = last[1].finish_reason
-                out["usage"] = usage(last[1])
-            return out
-        row = await ctx.ledger.get(request_id) if ctx.ledger is not None else None
-        if row is None:
+        found = await request_status(ctx, request_id)
+        if found is None:
             raise NotFound(f"no request '{request_id}'", param="request_id", code="not_found")
-        return {
-            "id": row.id,
-            "object": "request",
-            "state": row.state,
-            "model": row.model,
-            "created": int(row.created_at.timestamp()),
-            "finish_reason": row.finish_reason,
-            "usage": {
-                "prompt_tokens": row.prompt_tokens,
-                "completion_tokens": row.completion_tokens,
-                "total_tokens": row.total_tokens,
-            },
-            "last_event_id": row.last_event_id,
-        }
+        return found
+
+    @post(
+        "/{request_id:str}/cancel",
+        status_code=200,
+        summary="Cancel a request in any phase (idempotent)",
+    )
+    async def cancel(self, ctx: Context, request_id: str) -> Response[dict[str, Any]]:
+        """Queued: ended here, no engine sees it. Running: its worker aborts it at the next
+        engine step. Already ended: nothing changes. Answers the request's state: 200 once
+        it is terminal, 202 if the worker has not confirmed within ``cancel_wait_s``."""
+        created = await ctx.log.first(request_id)
+        if created is None:
+            raise NotFound(f"no request '{request_id}'", param="request_id", code="not_found")
+        queued_end = End(
+            state=str(State.CANCELLED),
+            finish_reason=str(FinishReason.CANCELLED),
+            prompt_tokens=created.prompt_tokens,
+            completion_tokens=0,
+        )
+        outcome = await ctx.control.cancel(request_id, queued_end, ctx.settings.hot_log_ttl_s)
+        if outcome.outcome == "missing":
+            raise NotFound(f"no request '{request_id}'", param="request_id", code="not_found")
+        if outcome.outcome == "cancelled" and outcome.detail:
+            await record_queued_cancel(ctx, request_id, created, queued_end, outcome.detail)
+        deadline = time.monotonic() + ctx.settings.cancel_wait_s
+        while True:
+            found = await request_status(ctx, request_id)
+            if found is None:
+                raise NotFound(f"no request '{request_id}'", param="request_id", code="not_found")
+            if State(found["state"]).terminal or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.02)
+        return Response(found, status_code=200 if State(found["state"]).terminal else 202)

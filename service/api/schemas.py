@@ -12,6 +12,10 @@ NonNegFloat = Annotated[float, Meta(ge=0.0)]
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
+    # lastevent: how long the request survives without any reader (None: server default;
+    # 0: abort as soon as the last reader leaves), or run it to the end with no reader.
+    resume_grace_s: Annotated[float, Meta(ge=0.0)] | None = None
+    detached: bool = False
 
 
 class ContentPart(msgspec.Struct, kw_only=True):

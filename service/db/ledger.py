@@ -29,6 +29,7 @@ class Record:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    wasted_tokens: int
     error_code: str | None
     worker_id: str | None
     last_event_id: str | None

@@ -36,6 +36,7 @@ class RequestRow(Base):
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     completion_tokens: Mapped[int] = mapped_column(Integer)
     total_tokens: Mapped[int] = mapped_column(Integer)
+    wasted_tokens: Mapped[int] = mapped_column(Integer, server_default="0")
     error_code: Mapped[str | None] = mapped_column(String(64))
     worker_id: Mapped[str | None] = mapped_column(Text)
     last_event_id: Mapped[str | None] = mapped_column(String(48))

@@ -1,5 +1,5 @@
 -- Fenced append: XADD events only if the caller still owns the request.
--- KEYS[1] meta, KEYS[2] log
+-- KEYS[1] meta, KEYS[2] log, KEYS[3] readers (dropped at the terminal event)
 -- ARGV[1] owner epoch, ARGV[2] terminal state ('' if not terminal),
 -- ARGV[3] TTL in seconds applied to both keys when terminal, ARGV[4..] encoded events
 -- Returns the new entry ids; errors FENCED (not the owner) or ENDED (already terminal).
@@ -19,6 +19,7 @@ if #ids > 0 then
   redis.call('HSET', KEYS[1], 'last', ids[#ids])
 end
 if ARGV[2] ~= '' then
+  redis.call('DEL', KEYS[3])
   redis.call('HSET', KEYS[1], 'state', ARGV[2])
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   redis.call('EXPIRE', KEYS[2], ARGV[3])

@@ -85,6 +85,7 @@ class End(_Event, tag="e"):
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    wasted_tokens: int = 0  # generated but never delivered to any reader (aborts)
 
 
 Event = Created | Delta | Error | End

@@ -12,6 +12,7 @@ error after that many tokens, ``stall_after`` stops producing (for deadlines).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -33,13 +34,16 @@ class ScriptedEngine:
         text: str | None = None,
         fail_after: int | None = None,
         stall_after: int | None = None,
+        prefill_s: float = 0.0,
     ) -> None:
         self._model = model
         self._interval_s = 1.0 / tokens_per_s if tokens_per_s > 0 else 0.0
         self._fixed = None if text is None else model.encode(text)
         self._fail_after = fail_after
         self._stall_after = stall_after
+        self._prefill_s = prefill_s
         self._aborted: set[str] = set()
+        self._abort_events: dict[str, asyncio.Event] = {}
         self.running: set[str] = set()  # request ids inside generate (tests look)
 
     async def start(self) -> None:
@@ -65,12 +69,17 @@ class ScriptedEngine:
         script = self.script_for(prompt_token_ids)
         eos = params.stop_token_ids[:1] or self._model.eos_token_ids[:1]
         self.running.add(request_id)
+        self._abort_events[request_id] = aborted = asyncio.Event()
         try:
+            if self._prefill_s > 0:  # a long prefill that an abort interrupts
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(aborted.wait(), self._prefill_s)
             async for out in self._steps(request_id, script, list(eos), params.max_tokens):
                 yield out
         finally:
             self.running.discard(request_id)
             self._aborted.discard(request_id)
+            self._abort_events.pop(request_id, None)
 
     async def _steps(
         self, request_id: str, script: list[int], eos: list[int], max_tokens: int
@@ -84,7 +93,8 @@ class ScriptedEngine:
             if self._fail_after is not None and produced >= self._fail_after:
                 raise EngineError(f"scripted failure after {produced} tokens", "engine_failure")
             if self._stall_after is not None and produced >= self._stall_after:
-                await asyncio.Event().wait()  # never set: a stalled engine
+                await self._abort_events[request_id].wait()  # stalled until aborted
+                continue
             next_at += self._interval_s
             delay = next_at - time.monotonic()
             if delay > 0:
@@ -102,3 +112,6 @@ class ScriptedEngine:
     async def abort(self, request_id: str) -> None:
         if request_id in self.running:
             self._aborted.add(request_id)
+            event = self._abort_events.get(request_id)
+            if event is not None:
+                event.set()

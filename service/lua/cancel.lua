@@ -1,0 +1,21 @@
+-- Cancel a request, in any phase.
+-- KEYS[1] meta, KEYS[2] log; ARGV[1] encoded End(cancelled) for a request still queued,
+-- ARGV[2] TTL in seconds after the terminal event
+-- Returns {outcome, detail}: {'missing'}; {<terminal state>} (no-op);
+-- {'cancelled', <end id>} (it was queued: ended here, no engine will see it);
+-- {'cancelling', <owner>} (running: its owner aborts it).
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
+local m = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'owner')
+local state = m[1]
+if state == 'finished' or state == 'cancelled' or state == 'abandoned' or state == 'errored' then
+  return {state}
+end
+if state == 'queued' and m[2] == '0' then
+  local id = redis.call('XADD', KEYS[2], '*', 'e', ARGV[1])
+  redis.call('HSET', KEYS[1], 'state', 'cancelled', 'last', id, 'cancel', 1)
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
+  redis.call('EXPIRE', KEYS[2], ARGV[2])
+  return {'cancelled', id}
+end
+redis.call('HSET', KEYS[1], 'cancel', 1)
+return {'cancelling', m[3] or ''}

@@ -1,0 +1,27 @@
+-- The owner's periodic decision for a running request.
+-- KEYS[1] meta, KEYS[2] readers; ARGV[1] now (ms)
+-- Returns 2: cancel requested; 1: abandoned (no live lease for longer than the grace
+-- period); 0: keep going. Lapsed leases are removed; the moment the last one lapsed
+-- (or the last reader left) is kept in `gone_ms`.
+local m = redis.call('HMGET', KEYS[1], 'cancel', 'detached', 'grace_ms', 'gone_ms')
+if m[1] == '1' then return 2 end
+if m[2] == '1' then return 0 end
+local now = tonumber(ARGV[1])
+local lapsed = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'WITHSCORES')
+local last_lapse = nil
+for i = 2, #lapsed, 2 do
+  local t = tonumber(lapsed[i])
+  if last_lapse == nil or t > last_lapse then last_lapse = t end
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+if redis.call('ZCARD', KEYS[2]) > 0 then
+  redis.call('HDEL', KEYS[1], 'gone_ms')
+  return 0
+end
+local gone = tonumber(m[4])
+if gone == nil then
+  gone = last_lapse or now
+  redis.call('HSET', KEYS[1], 'gone_ms', gone)
+end
+if now - gone >= tonumber(m[3] or '0') then return 1 end
+return 0
