@@ -30,7 +30,7 @@ from service.stream import events as ev
 
 log = logging.getLogger(__name__)
 
-KEEP_GOING, ABANDONED, CANCELLED = 0, 1, 2
+KEEP_GOING, ABANDONED, CANCELLED = 0, 1, 2  # check.lua; a negative verdict: -ms left
 
 
 def _script(name: str) -> str:
@@ -81,10 +81,15 @@ class Control:
         return {r: int(x) for r, x in zip(rids, results, strict=True)}
 
     async def leave(self, rid: str, token: str, delivered: int) -> int:
-        """Drop a lease; returns how many live leases are left."""
-        return int(
-            await self.leave_script(keys=self._keys(rid), args=[token, now_ms(), delivered])
+        """Drop a lease; returns how many live leases are left. When none is, the owner
+        is nudged so that it times the grace period from now instead of polling for it."""
+        left, owner = await self.leave_script(
+            keys=self._keys(rid), args=[token, now_ms(), delivered]
         )
+        owner = owner.decode() if isinstance(owner, bytes) else str(owner)
+        if int(left) == 0 and owner:
+            await self.redis.publish(self.keys.control(owner), f"check:{rid}")
+        return int(left)
 
 
 async def _run_pipelined(

@@ -66,6 +66,7 @@ class Runner:
         self.keys = keys
         self.running: set[str] = set()  # request ids inside the engine
         self.decisions: dict[str, State] = {}  # cancel / abandon decisions not yet applied
+        self._timers: dict[str, asyncio.TimerHandle] = {}  # grace periods running out
         self._tasks: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Task[None]] = set()  # ledger writes
         self._stopping = asyncio.Event()
@@ -127,8 +128,30 @@ class Runner:
                 log.warning("presence check failed: %s", exc)
                 continue
             for rid, verdict in verdicts.items():
-                if verdict in _DECIDED:
-                    self.decide(rid, _DECIDED[verdict])
+                self._act_on(rid, verdict)
+
+    def _act_on(self, rid: str, verdict: int) -> None:
+        if verdict in _DECIDED:
+            self.decide(rid, _DECIDED[verdict])
+        elif verdict < 0 and rid not in self._timers:
+            # no reader: look again exactly when the grace period runs out
+            loop = asyncio.get_running_loop()
+            self._timers[rid] = loop.call_later(-verdict / 1000, self._recheck, rid)
+
+    def _recheck(self, rid: str) -> None:
+        self._timers.pop(rid, None)
+        if rid in self.running and rid not in self.decisions:
+            task = asyncio.create_task(self._check_one(rid))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _check_one(self, rid: str) -> None:
+        try:
+            verdict = (await self.control.check([rid])).get(rid, 0)
+        except Exception as exc:
+            log.warning("presence check of %s failed: %s", rid, exc)
+            return
+        self._act_on(rid, verdict)
 
     async def _listen_control(self) -> None:
         """Cancels (and nudges) published to this worker's channel, acted on at once."""
@@ -142,9 +165,7 @@ class Runner:
                     if verb == "cancel":
                         self.decide(rid, State.CANCELLED)
                     elif verb == "check" and rid in self.running:
-                        verdict = (await self.control.check([rid])).get(rid, 0)
-                        if verdict in _DECIDED:
-                            self.decide(rid, _DECIDED[verdict])
+                        await self._check_one(rid)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # reconnect; the periodic check covers the gap
@@ -175,6 +196,9 @@ class Runner:
             finally:
                 self.running.discard(rid)
                 self.decisions.pop(rid, None)
+                timer = self._timers.pop(rid, None)
+                if timer is not None:
+                    timer.cancel()
             end = outcome.events[-1]
             assert isinstance(end, End)
             end.wasted_tokens = await self._wasted(rid, end, outcome)

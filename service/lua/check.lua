@@ -1,7 +1,7 @@
 -- The owner's periodic decision for a running request.
 -- KEYS[1] meta, KEYS[2] readers; ARGV[1] now (ms)
 -- Returns 2: cancel requested; 1: abandoned (no live lease for longer than the grace
--- period); 0: keep going. Lapsed leases are removed; the moment the last one lapsed
+-- period); 0: keep going; -N: no live lease, abandoned in N ms unless a reader returns. Lapsed leases are removed; the moment the last one lapsed
 -- (or the last reader left) is kept in `gone_ms`.
 local m = redis.call('HMGET', KEYS[1], 'cancel', 'detached', 'grace_ms', 'gone_ms')
 if m[1] == '1' then return 2 end
@@ -23,5 +23,6 @@ if gone == nil then
   gone = last_lapse or now
   redis.call('HSET', KEYS[1], 'gone_ms', gone)
 end
-if now - gone >= tonumber(m[3] or '0') then return 1 end
-return 0
+local left = gone + tonumber(m[3] or '0') - now
+if left <= 0 then return 1 end
+return -math.ceil(left)
