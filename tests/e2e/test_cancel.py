@@ -314,3 +314,15 @@ async def test_burst_with_walkaways_wastes_at_most_what_the_grace_allows(burst_s
           f"generated tokens (bound {bound:.0f} = {leavers} x ({grace_s:g} s grace x {RATE:g} "
           f"tok/s + 3 steps))")
     assert 0 < wasted <= bound
+
+
+def test_disconnect_is_noticed_without_any_write(stack: Stack) -> None:
+    """Gone during the prefill (nothing written since the role chunk), zero grace:
+    aborted at once, not when the next token would have been written."""
+    rid, _ = read_some(stack.api_urls[0], body(stack, resume_grace_s=0), 1)
+    left_at = time.time()
+    status = wait_state(stack.api_urls[0], rid, {"abandoned", "finished"})
+    ended_at = int(status["last_event_id"].split("-")[0]) / 1000
+    print(f"\ndisconnect during prefill, grace 0: terminal after {(ended_at - left_at) * 1000:.0f} ms")
+    assert status["state"] == "abandoned"
+    assert status["usage"]["completion_tokens"] == 0  # the 0.8 s prefill never finished
