@@ -38,6 +38,14 @@ def cmd_worker(settings: Settings) -> None:
     main(settings)
 
 
+def cmd_recorder(settings: Settings) -> None:
+    import asyncio
+
+    from workers.__main__ import serve_recorder
+
+    asyncio.run(serve_recorder(settings))
+
+
 def cmd_migrate(settings: Settings) -> None:
     from service.migrate import upgrade
 
@@ -110,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("up", help="run everything locally (embedded servers unless URLs are set)")
     sub.add_parser("api", help="run the HTTP API")
     sub.add_parser("worker", help="run one engine worker")
+    sub.add_parser("recorder", help="run a recorder (outbox -> Postgres) on its own")
     sub.add_parser("migrate", help="alembic upgrade head")
     model = sub.add_parser("model", help="model files")
     model_sub = model.add_subparsers(dest="model_cmd", required=True)
@@ -125,6 +134,8 @@ def main(argv: list[str] | None = None) -> None:
         cmd_api(settings)
     elif args.cmd == "worker":
         cmd_worker(settings)
+    elif args.cmd == "recorder":
+        cmd_recorder(settings)
     elif args.cmd == "migrate":
         cmd_migrate(settings)
     elif args.cmd == "model":

@@ -61,9 +61,12 @@ class Control:
     def _keys(self, rid: str) -> list[str]:
         return [self.keys.meta(rid), self.keys.readers(rid)]
 
-    async def cancel(self, rid: str, queued_end: ev.End, ttl_s: int) -> CancelOutcome:
-        keys = [self.keys.meta(rid), self.keys.log(rid)]
-        raw = await self._cancel(keys=keys, args=[ev.encode(queued_end), ttl_s])
+    async def cancel(
+        self, rid: str, queued_end: ev.End, ttl_s: int, queued_summary: ev.Summary
+    ) -> CancelOutcome:
+        keys = [self.keys.meta(rid), self.keys.log(rid), self.keys.outbox]
+        args = [ev.encode(queued_end), ttl_s, ev.encode_summary(queued_summary)]
+        raw = await self._cancel(keys=keys, args=args)
         parts = [p.decode() if isinstance(p, bytes) else str(p) for p in raw]
         outcome = CancelOutcome(parts[0], parts[1] if len(parts) > 1 else None)
         if outcome.outcome == "cancelling" and outcome.detail:

@@ -11,6 +11,9 @@ import dataclasses
 
 QUEUE_GROUP = "workers"  # the consumer group every worker joins
 EVENT_FIELD = b"e"  # the one field of each log entry: a msgpack-encoded event
+RECORDER_GROUP = "recorders"  # the consumer group that projects the outbox into Postgres
+SUMMARY_FIELD = b"s"  # outbox entry: a msgpack-encoded Summary of the ended request
+END_ID_FIELD = b"i"  # outbox entry: the terminal event's id
 JOB_FIELD = b"j"  # the one field of each queue entry: a msgpack-encoded job
 
 
@@ -31,6 +34,12 @@ class Keys:
         """The request's control hash: owner epoch, owner, state, last event id, cancel flag,
         resume grace (ms), detached flag, when the last reader left (ms), tokens delivered."""
         return f"{self.prefix}:{{{request_id}}}:meta"
+
+    @property
+    def outbox(self) -> str:
+        """Terminal summaries, appended atomically with each terminal event (a stream;
+        consumer group ``recorders``)."""
+        return f"{self.prefix}:outbox"
 
     def readers(self, request_id: str) -> str:
         """The request's reader leases: a sorted set of reader tokens scored by expiry (ms)."""

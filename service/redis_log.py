@@ -107,8 +107,9 @@ class RedisLog:
         *,
         terminal_state: str = "",
         ttl_s: int = 0,
+        summary: bytes = b"",
     ) -> list[EventId]:
-        keys, args = self.append_args(request_id, epoch, events, terminal_state, ttl_s)
+        keys, args = self.append_args(request_id, epoch, events, terminal_state, ttl_s, summary)
         try:
             raw = await self.append_script(keys=keys, args=args)
         except ResponseError as exc:
@@ -122,13 +123,15 @@ class RedisLog:
         events: Sequence[ev.Event],
         terminal_state: str,
         ttl_s: int,
+        summary: bytes = b"",
     ) -> tuple[list[str], list[bytes | str | int]]:
         keys = [
             self.keys.meta(request_id),
             self.keys.log(request_id),
             self.keys.readers(request_id),
+            self.keys.outbox,
         ]
-        args: list[bytes | str | int] = [str(epoch), terminal_state, ttl_s]
+        args: list[bytes | str | int] = [str(epoch), terminal_state, ttl_s, summary]
         args.extend(ev.encode(e) for e in events)
         return keys, args
 
@@ -162,10 +165,14 @@ class RedisLog:
         return bool(raw)
 
     async def first(self, request_id: str) -> ev.Created | None:
+        found = await self.first_with_id(request_id)
+        return None if found is None else found[1]
+
+    async def first_with_id(self, request_id: str) -> tuple[EventId, ev.Created] | None:
         entries = await self.read(request_id, count=1)
         if not entries or not isinstance(entries[0][1], ev.Created):
             return None
-        return entries[0][1]
+        return entries[0][0], entries[0][1]
 
     async def last(self, request_id: str) -> tuple[EventId, ev.Event] | None:
         raw = await self.redis.xrevrange(self.keys.log(request_id), count=1)
@@ -180,6 +187,7 @@ class _Pending:
     events: Sequence[ev.Event]
     terminal_state: str
     ttl_s: int
+    summary: bytes
     future: asyncio.Future[list[EventId]]
 
 
@@ -210,9 +218,11 @@ class AppendBatcher:
         *,
         terminal_state: str = "",
         ttl_s: int = 0,
+        summary: bytes = b"",
     ) -> list[EventId]:
         future: asyncio.Future[list[EventId]] = asyncio.get_running_loop().create_future()
-        self._pending.append(_Pending(request_id, epoch, events, terminal_state, ttl_s, future))
+        item = _Pending(request_id, epoch, events, terminal_state, ttl_s, summary, future)
+        self._pending.append(item)
         self._wakeup.set()
         return await future
 
@@ -257,7 +267,12 @@ class AppendBatcher:
         sha = self._log.append_script.sha
         for item in batch:
             keys, args = self._log.append_args(
-                item.request_id, item.epoch, item.events, item.terminal_state, item.ttl_s
+                item.request_id,
+                item.epoch,
+                item.events,
+                item.terminal_state,
+                item.ttl_s,
+                item.summary,
             )
             pipe.evalsha(sha, len(keys), *keys, *args)
         return list(await pipe.execute(raise_on_error=False))

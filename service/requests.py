@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import datetime as dt
 import logging
 import secrets
 import time
@@ -14,16 +13,16 @@ from typing import Any
 from redis.asyncio import Redis
 
 from service.control import Control, Lease, Presence
-from service.db.ledger import Ledger, Record
+from service.db.ledger import Ledger
 from service.errors import InvalidRequest
 from service.metrics import READERS
 from service.queue import Job, RequestQueue
 from service.redis_log import RedisLog
 from service.settings import Settings
 from service.stream import sse
-from service.stream.events import Created, Delta, End, Kind
-from service.stream.ids import Cursor, EventId, frame_ids, frames_to_skip
-from service.stream.render import ChunkRenderer, ResponseAggregate, usage
+from service.stream.events import Created, Delta, End, Event, Kind
+from service.stream.ids import Cursor, EventId
+from service.stream.render import ChunkRenderer, ResponseAggregate, sse_event_frames, usage
 from service.tail import LogTailer
 from service.tokenize import ModelInfo
 
@@ -188,12 +187,7 @@ async def sse_frames(
             for eid, event in batch:
                 if isinstance(event, Delta):
                     delivered = max(delivered, event.n)
-                skip = frames_to_skip(cursor, eid)
-                if skip is not None:
-                    payloads = renderer.render(event)
-                    ids = frame_ids(eid, len(payloads))
-                    frames = [sse.frame(p, str(i)) for p, i in zip(payloads, ids, strict=True)]
-                    out.extend(frames[skip:])
+                out.extend(sse_event_frames(renderer, eid, event, cursor))
                 if isinstance(event, End):
                     ended = True
                     break
@@ -264,30 +258,15 @@ async def request_status(ctx: Context, rid: str) -> dict[str, Any] | None:
     }
 
 
-async def record_queued_cancel(
-    ctx: Context, rid: str, created: Created, end: End, end_id: str
-) -> None:
-    """A request cancelled before any worker claimed it: the API writes its row."""
-    if ctx.ledger is None:
-        return
-    ended = EventId.parse(end_id)
-    rec = Record(
-        id=rid,
-        kind=created.kind,
-        model=created.model,
-        created_at=dt.datetime.fromtimestamp(created.created, tz=dt.UTC),
-        first_token_at=None,
-        ended_at=dt.datetime.fromtimestamp(ended.ms / 1000, tz=dt.UTC),
-        state=end.state,
-        finish_reason=end.finish_reason,
-        prompt_tokens=end.prompt_tokens,
-        completion_tokens=0,
-        wasted_tokens=0,
-        error_code=None,
-        worker_id=None,
-        last_event_id=end_id,
-    )
-    try:
-        await ctx.ledger.record(rec)
-    except Exception as exc:  # noqa: BLE001 - streaming and cancel never wait on Postgres
-        log.warning("ledger write for cancelled %s failed: %s", rid, exc)
+async def cold_frames(
+    rid: str, entries: list[tuple[EventId, Event]], cursor: Cursor | None
+) -> AsyncIterator[bytes]:
+    """An archived log as SSE: the same ids and bytes the hot log gave."""
+    created = entries[0][1]
+    assert isinstance(created, Created)
+    renderer = ChunkRenderer(rid, created)
+    out: list[bytes] = []
+    for eid, event in entries:
+        out.extend(sse_event_frames(renderer, eid, event, cursor))
+    if out:
+        yield b"".join(out)

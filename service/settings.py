@@ -63,6 +63,13 @@ class Settings:
     worker_concurrency: int = 8  # requests one worker runs at once
     request_deadline_s: float = 600.0
 
+    # recorder (outbox -> Postgres rows + archived logs)
+    recorder_in_worker: bool = True  # each worker also runs a recorder
+    recorder_claim_idle_ms: int = 30_000  # take over another recorder's entries after this
+    outbox_retention_s: int = 7 * 86400  # outbox entries (what reconcile checks) kept this long
+    archive_retention_days: int = 90  # `lastevent archive purge` default
+    recorder_crash_after_insert: bool = False  # fault injection (tests): exit before the ack
+
     # scripted engine (tests and benchmarks)
     scripted_tokens_per_s: float = 50.0
     scripted_text: str | None = None  # None: echo the last user message

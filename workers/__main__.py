@@ -9,6 +9,8 @@ import signal
 from redis.asyncio import Redis
 
 from service.db.ledger import Ledger, make_engine
+from service.keys import Keys
+from service.recorder import Recorder
 from service.settings import Settings
 from service.tokenize import ModelInfo
 from workers.engines.base import Engine
@@ -45,17 +47,55 @@ async def serve(settings: Settings) -> None:
     redis = Redis.from_url(settings.redis_url, max_connections=64)
     db = make_engine(settings.database_url) if settings.database_url else None
     runner = Runner(settings, redis, engine, model, Ledger(db) if db else None)
+    recorder = None
+    if db is not None and settings.recorder_in_worker:
+        recorder = build_recorder(settings, redis, Ledger(db))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, runner.stop)
     log.info("worker %s ready (engine %s)", settings.worker_id, engine.name)
+    recording = asyncio.create_task(recorder.run()) if recorder else None
     try:
         await runner.run()
     finally:
+        if recording is not None:
+            await asyncio.sleep(0.5)  # let the last terminal events reach Postgres
+            recording.cancel()
+            await asyncio.gather(recording, return_exceptions=True)
         await engine.close()
         await redis.aclose()
         if db is not None:
             await db.dispose()
+
+
+def build_recorder(settings: Settings, redis: Redis, ledger: Ledger) -> Recorder:
+    return Recorder(
+        redis,
+        Keys(settings.key_prefix),
+        ledger,
+        consumer=settings.worker_id,
+        claim_idle_ms=settings.recorder_claim_idle_ms,
+        retention_s=settings.outbox_retention_s,
+        crash_after_insert=settings.recorder_crash_after_insert,
+    )
+
+
+async def serve_recorder(settings: Settings) -> None:
+    """``lastevent recorder``: a recorder on its own (any number may run)."""
+    if not settings.redis_url or not settings.database_url:
+        raise SystemExit("LASTEVENT_REDIS_URL and LASTEVENT_DATABASE_URL must be set")
+    redis = Redis.from_url(settings.redis_url)
+    db = make_engine(settings.database_url)
+    recorder = build_recorder(settings, redis, Ledger(db))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, recorder.stop)
+    log.info("recorder %s ready", settings.worker_id)
+    try:
+        await recorder.run()
+    finally:
+        await redis.aclose()
+        await db.dispose()
 
 
 def main(settings: Settings | None = None) -> None:

@@ -11,20 +11,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import datetime as dt
 import logging
 import time
 
 from redis.asyncio import Redis
 
 from service.control import ABANDONED, CANCELLED, Control
-from service.db.ledger import Ledger, Record
+from service.db.ledger import Ledger
 from service.keys import Keys
 from service.queue import Job, RequestQueue
 from service.redis_log import AppendBatcher, Fenced, LogError, RedisLog
 from service.settings import Settings
 from service.stream.assemble import Assembler
-from service.stream.events import Created, End, Event, FinishReason, State
+from service.stream.events import (
+    Created,
+    End,
+    Event,
+    FinishReason,
+    State,
+    Summary,
+    encode_summary,
+)
 from service.stream.ids import EventId
 from service.tokenize import ModelInfo
 from workers.engines.base import Engine, EngineError, SamplingParams
@@ -189,7 +196,8 @@ class Runner:
             if epoch is None:  # expired or already ended: nothing to do
                 await self.queue.ack(entry_id)
                 return
-            created = await self.log.first(rid)
+            dispatched_ms = int(time.time() * 1000)
+            first = await self.log.first_with_id(rid)
             self.running.add(rid)
             try:
                 outcome = await self._generate(job, epoch)
@@ -203,29 +211,50 @@ class Runner:
             assert isinstance(end, End)
             end.wasted_tokens = await self._wasted(rid, end, outcome)
             WASTED_TOKENS.inc(end.wasted_tokens)
-            ids = await self.batcher.append(
+            summary = self._summary(rid, first, end, outcome, dispatched_ms)
+            await self.batcher.append(
                 rid,
                 epoch,
                 outcome.events,
                 terminal_state=end.state,
                 ttl_s=self.settings.hot_log_ttl_s,
+                summary=encode_summary(summary),
             )
             await self.queue.ack(entry_id)
         except Fenced:
             log.warning("request %s was taken over by another worker; stopping", rid)
-            return
         except LogError as exc:
             log.warning("request %s: %s", rid, exc)
             await self.queue.ack(entry_id)
-            return
         except Exception:
             log.exception("request %s failed in the worker", rid)
-            return
-        if created is not None and self.ledger is not None:
-            rec = self._record(rid, created, end, ids[-1], outcome)
-            task = asyncio.create_task(self._record_with_retry(rec))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+
+    def _summary(
+        self,
+        rid: str,
+        first: tuple[EventId, Created] | None,
+        end: End,
+        outcome: _Outcome,
+        dispatched_ms: int,
+    ) -> Summary:
+        created_id, created = first if first is not None else (None, None)
+        return Summary(
+            request_id=rid,
+            kind=created.kind if created else "",
+            model=created.model if created else "",
+            created_ms=created_id.ms if created_id else dispatched_ms,
+            state=end.state,
+            finish_reason=end.finish_reason,
+            prompt_tokens=end.prompt_tokens,
+            completion_tokens=end.completion_tokens,
+            wasted_tokens=end.wasted_tokens,
+            dispatched_ms=dispatched_ms,
+            first_token_ms=None
+            if outcome.first_token_at is None
+            else int(outcome.first_token_at * 1000),
+            error_code=outcome.error_code,
+            worker_id=self.settings.worker_id,
+        )
 
     async def _wasted(self, rid: str, end: End, outcome: _Outcome) -> int:
         """Tokens generated that no reader got: after an abort decision, and -- when no
@@ -298,39 +327,3 @@ class Runner:
         if reason == "abort":  # the engine aborted on its own (e.g. shutting down)
             return _Outcome(asm.fail("engine_aborted", "the engine aborted the request"), first_token_at, "engine_aborted")
         return _Outcome(asm.finish(State.FINISHED, reason), first_token_at)
-
-    def _record(
-        self, rid: str, created: Created, end: End, end_id: EventId, outcome: _Outcome
-    ) -> Record:
-        def ts(seconds: float) -> dt.datetime:
-            return dt.datetime.fromtimestamp(seconds, tz=dt.UTC)
-
-        return Record(
-            id=rid,
-            kind=created.kind,
-            model=created.model,
-            created_at=ts(created.created),
-            first_token_at=None if outcome.first_token_at is None else ts(outcome.first_token_at),
-            ended_at=ts(end_id.ms / 1000),
-            state=end.state,
-            finish_reason=end.finish_reason,
-            prompt_tokens=end.prompt_tokens,
-            completion_tokens=end.completion_tokens,
-            wasted_tokens=end.wasted_tokens,
-            error_code=outcome.error_code,
-            worker_id=self.settings.worker_id,
-            last_event_id=str(end_id),
-        )
-
-    async def _record_with_retry(self, rec: Record) -> None:
-        assert self.ledger is not None
-        delay = 0.5
-        for _attempt in range(12):
-            try:
-                await self.ledger.record(rec)
-                return
-            except Exception as exc:
-                log.warning("ledger write for %s failed (retrying): %s", rec.id, exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 30.0)
-        log.error("ledger write for %s gave up; the row is missing", rec.id)

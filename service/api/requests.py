@@ -13,10 +13,11 @@ from litestar.response import Stream
 from service.api.completions import REQUEST_ID_HEADER
 from service.errors import InvalidRequest, NotFound
 from service.metrics import RESUMES
-from service.requests import Context, record_queued_cancel, request_status, sse_frames
+from service.requests import Context, cold_frames, request_status, sse_frames
+from service.stream import archive
 from service.stream import sse
-from service.stream.events import End, FinishReason, State
-from service.stream.ids import Cursor, InvalidEventId
+from service.stream.events import End, Event, FinishReason, State, Summary
+from service.stream.ids import Cursor, EventId, InvalidEventId
 
 
 def _cursor(raw: str | None, param: str) -> Cursor | None:
@@ -26,6 +27,21 @@ def _cursor(raw: str | None, param: str) -> Cursor | None:
         return Cursor.parse(raw)
     except InvalidEventId as exc:
         raise InvalidRequest(str(exc), param=param, code="invalid_event_id") from None
+
+
+def _foreign(cursor: Cursor, rid: str, param: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"event id '{cursor}' is not an event of request '{rid}'",
+        param=param,
+        code="invalid_event_id",
+    )
+
+
+async def _archived(ctx: Context, rid: str) -> list[tuple[EventId, Event]]:
+    blob = await ctx.ledger.archive(rid) if ctx.ledger is not None else None
+    if blob is None:
+        raise NotFound(f"no request '{rid}'", param="request_id", code="not_found")
+    return archive.unpack(blob)
 
 
 async def _nothing() -> AsyncIterator[bytes]:
@@ -44,27 +60,26 @@ class RequestsController(Controller):
         """SSE from the start, or after ``Last-Event-ID`` (header) / ``?after=``."""
         header = request.headers.get("last-event-id")
         cursor = _cursor(header, "Last-Event-ID") if header else _cursor(after, "after")
+        param = "Last-Event-ID" if header else "after"
+        headers = {**sse.HEADERS, REQUEST_ID_HEADER: request_id}
         created = await ctx.log.first(request_id)
-        if created is None:
-            raise NotFound(f"no request '{request_id}'", param="request_id", code="not_found")
+        if created is None:  # the hot log is gone: one cursor, served from the archive
+            entries = await _archived(ctx, request_id)
+            if cursor is not None and cursor.event not in {eid for eid, _ in entries}:
+                raise _foreign(cursor, request_id, param)
+            return Stream(
+                cold_frames(request_id, entries, cursor), media_type=sse.MEDIA_TYPE, headers=headers
+            )
         frames = sse_frames(ctx, request_id, created, cursor)
         if cursor is not None:
             RESUMES.inc()
             if not await ctx.log.has_event(request_id, cursor.event):
-                raise InvalidRequest(
-                    f"event id '{cursor}' is not an event of request '{request_id}'",
-                    param="Last-Event-ID" if header else "after",
-                    code="invalid_event_id",
-                )
+                raise _foreign(cursor, request_id, param)
             last = await ctx.log.last(request_id)
             if last is not None and isinstance(last[1], End) and cursor.event == last[0]:
                 if cursor.frame is None:  # the client has everything: an empty, closed stream
                     frames = _nothing()
-        return Stream(
-            frames,
-            media_type=sse.MEDIA_TYPE,
-            headers={**sse.HEADERS, REQUEST_ID_HEADER: request_id},
-        )
+        return Stream(frames, media_type=sse.MEDIA_TYPE, headers=headers)
 
     @get("/{request_id:str}", summary="A request's state, finish_reason and usage")
     async def status(self, ctx: Context, request_id: str) -> dict[str, Any]:
@@ -91,11 +106,22 @@ class RequestsController(Controller):
             prompt_tokens=created.prompt_tokens,
             completion_tokens=0,
         )
-        outcome = await ctx.control.cancel(request_id, queued_end, ctx.settings.hot_log_ttl_s)
+        first = await ctx.log.first_with_id(request_id)
+        summary = Summary(
+            request_id=request_id,
+            kind=created.kind,
+            model=created.model,
+            created_ms=first[0].ms if first else int(time.time() * 1000),
+            state=queued_end.state,
+            finish_reason=queued_end.finish_reason,
+            prompt_tokens=created.prompt_tokens,
+            completion_tokens=0,
+        )
+        outcome = await ctx.control.cancel(
+            request_id, queued_end, ctx.settings.hot_log_ttl_s, summary
+        )
         if outcome.outcome == "missing":
             raise NotFound(f"no request '{request_id}'", param="request_id", code="not_found")
-        if outcome.outcome == "cancelled" and outcome.detail:
-            await record_queued_cancel(ctx, request_id, created, queued_end, outcome.detail)
         deadline = time.monotonic() + ctx.settings.cancel_wait_s
         while True:
             found = await request_status(ctx, request_id)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from sqlalchemy import BigInteger, DateTime, Integer, MetaData, String, Text
+from sqlalchemy import BigInteger, DateTime, Integer, LargeBinary, MetaData, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING = {
@@ -26,9 +26,12 @@ class RequestRow(Base):
     __tablename__ = "requests"
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(128), server_default="default", index=True)
+    api_key_id: Mapped[str | None] = mapped_column(String(64))
     kind: Mapped[str] = mapped_column(String(8))
     model: Mapped[str] = mapped_column(String(128))
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    dispatched_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     first_token_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     ended_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), index=True)
     state: Mapped[str] = mapped_column(String(16))
@@ -41,3 +44,16 @@ class RequestRow(Base):
     worker_id: Mapped[str | None] = mapped_column(Text)
     last_event_id: Mapped[str | None] = mapped_column(String(48))
     recorded_ms: Mapped[int] = mapped_column(BigInteger)  # when the row was written (ms)
+
+
+class ArchiveRow(Base):
+    """A finished request's whole log (ids, timestamps, payloads), zlib-compressed msgpack."""
+
+    __tablename__ = "archives"
+
+    request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(128), server_default="default", index=True)
+    ended_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), index=True)
+    events: Mapped[int] = mapped_column(Integer)
+    raw_bytes: Mapped[int] = mapped_column(Integer)  # size before compression
+    data: Mapped[bytes] = mapped_column(LargeBinary)

@@ -1,6 +1,6 @@
 -- Cancel a request, in any phase.
--- KEYS[1] meta, KEYS[2] log; ARGV[1] encoded End(cancelled) for a request still queued,
--- ARGV[2] TTL in seconds after the terminal event
+-- KEYS[1] meta, KEYS[2] log, KEYS[3] outbox; ARGV[1] encoded End(cancelled) for a request
+-- still queued, ARGV[2] TTL in seconds after the terminal event, ARGV[3] its encoded Summary
 -- Returns {outcome, detail}: {'missing'}; {<terminal state>} (no-op);
 -- {'cancelled', <end id>} (it was queued: ended here, no engine will see it);
 -- {'cancelling', <owner>} (running: its owner aborts it).
@@ -15,6 +15,7 @@ if state == 'queued' and m[2] == '0' then
   redis.call('HSET', KEYS[1], 'state', 'cancelled', 'last', id, 'cancel', 1)
   redis.call('EXPIRE', KEYS[1], ARGV[2])
   redis.call('EXPIRE', KEYS[2], ARGV[2])
+  redis.call('XADD', KEYS[3], '*', 's', ARGV[3], 'i', id)
   return {'cancelled', id}
 end
 redis.call('HSET', KEYS[1], 'cancel', 1)

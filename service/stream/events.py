@@ -100,3 +100,34 @@ def encode(event: Event) -> bytes:
 
 def decode(data: bytes) -> Event:
     return _decoder.decode(data)
+
+
+class Summary(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """What the billing row needs, written to the outbox with the terminal event."""
+
+    request_id: str
+    kind: str
+    model: str
+    created_ms: int
+    state: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    wasted_tokens: int = 0
+    dispatched_ms: int | None = None
+    first_token_ms: int | None = None
+    error_code: str | None = None
+    worker_id: str | None = None
+    tenant: str | None = None
+    api_key_id: str | None = None
+
+
+_summary_decoder = msgspec.msgpack.Decoder(Summary)
+
+
+def encode_summary(summary: Summary) -> bytes:
+    return _encoder.encode(summary)
+
+
+def decode_summary(data: bytes) -> Summary:
+    return _summary_decoder.decode(data)

@@ -13,7 +13,9 @@ from typing import Any
 
 import msgspec
 
+from service.stream import sse
 from service.stream.events import Created, Delta, End, Error, Event, Kind
+from service.stream.ids import Cursor, EventId, frame_ids, frames_to_skip
 from service.stream.sse import DONE
 
 _json = msgspec.json.Encoder()
@@ -123,3 +125,15 @@ class ResponseAggregate:
             "choices": [choice],
             "usage": usage(self.end),
         }
+
+
+def sse_event_frames(
+    renderer: ChunkRenderer, event_id: EventId, event: Event, cursor: Cursor | None
+) -> list[bytes]:
+    """One log event as the SSE bytes a reader at ``cursor`` has not seen yet."""
+    skip = frames_to_skip(cursor, event_id)
+    if skip is None:
+        return []
+    payloads = renderer.render(event)
+    ids = frame_ids(event_id, len(payloads))
+    return [sse.frame(p, str(i)) for p, i in zip(payloads, ids, strict=True)][skip:]
