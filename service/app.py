@@ -15,6 +15,7 @@ from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
 from redis.asyncio import Redis
 
+from service.api.admin import AdminController
 from service.api.completions import CompletionsController
 from service.api.requests import RequestsController
 from service.api.system import SystemController
@@ -114,7 +115,12 @@ def create_app(settings: Settings) -> Litestar:
         return ctx
 
     return Litestar(
-        route_handlers=[CompletionsController, RequestsController, SystemController],
+        route_handlers=[
+            CompletionsController,
+            RequestsController,
+            SystemController,
+            AdminController,
+        ],
         dependencies={"ctx": Provide(provide_ctx, sync_to_thread=False)},
         exception_handlers={
             ApiError: _api_error,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import logging
 import os
 import signal
@@ -60,6 +61,90 @@ def cmd_model_prepare(settings: Settings, force: bool = False) -> Path:
     path = prepare_model(settings.resolved_model_dir, force=force)
     print(f"model ready in {path}")
     return path
+
+
+def _since_until(args: argparse.Namespace) -> tuple[dt.datetime, dt.datetime]:
+    def parse(value: str) -> dt.datetime:
+        t = dt.datetime.fromisoformat(value)
+        return t if t.tzinfo else t.replace(tzinfo=dt.UTC)
+
+    until = parse(args.until) if args.until else dt.datetime.now(dt.UTC)
+    return parse(args.since), until
+
+
+async def _with_stores(settings: Settings, work):  # type: ignore[no-untyped-def]
+    from redis.asyncio import Redis
+
+    from service.db.ledger import Ledger, make_engine
+    from service.keys import Keys
+
+    if not settings.redis_url or not settings.database_url:
+        raise SystemExit("LASTEVENT_REDIS_URL and LASTEVENT_DATABASE_URL must be set")
+    redis = Redis.from_url(settings.redis_url)
+    engine = make_engine(settings.database_url)
+    try:
+        return await work(redis, Keys(settings.key_prefix), Ledger(engine))
+    finally:
+        await redis.aclose()
+        await engine.dispose()
+
+
+def cmd_billing(settings: Settings, args: argparse.Namespace) -> int:
+    import asyncio
+    import csv
+
+    from service import billing
+
+    since, until = _since_until(args)
+    if args.billing_cmd == "reconcile":
+        report = asyncio.run(
+            _with_stores(settings, lambda r, k, l: billing.reconcile(r, k, l, since, until))
+        )
+        print("\n".join(report.lines()))
+        return 0 if report.clean else 1
+    rows = asyncio.run(_with_stores(settings, lambda r, k, l: billing.export_usage(l, since, until)))
+    fields = ["tenant", "model", "requests", "prompt_tokens", "completion_tokens",
+              "total_tokens", "wasted_tokens"]
+    writer = csv.DictWriter(sys.stdout, fieldnames=fields)
+    writer.writeheader()
+    writer.writerows(rows)
+    return 0
+
+
+def cmd_replay(settings: Settings, args: argparse.Namespace) -> int:
+    import asyncio
+
+    from service import replay
+    from service.redis_log import RedisLog
+
+    speed = None if args.speed == "max" else float(args.speed)
+
+    async def run(redis, keys, ledger):  # type: ignore[no-untyped-def]
+        try:
+            entries = await replay.load(RedisLog(redis, keys), ledger, args.request_id)
+        except replay.NotFoundError:
+            print(f"no request {args.request_id} (hot log or archive)", file=sys.stderr)
+            return 1
+        async for chunk in replay.render(args.request_id, entries, speed=speed, fmt=args.format):
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.buffer.flush()
+        return 0
+
+    return int(asyncio.run(_with_stores(settings, run)))
+
+
+def cmd_archive_purge(settings: Settings, args: argparse.Namespace) -> int:
+    import asyncio
+
+    days = settings.archive_retention_days if args.older_than_days is None else args.older_than_days
+    older = None if args.tenant and args.older_than_days is None else (
+        dt.datetime.now(dt.UTC) - dt.timedelta(days=days)
+    )
+    n = asyncio.run(_with_stores(
+        settings, lambda r, k, l: l.purge_archives(older_than=older, tenant=args.tenant)
+    ))
+    print(f"deleted {n} archived logs")
+    return 0
 
 
 def _spawn(role: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -124,8 +209,30 @@ def main(argv: list[str] | None = None) -> None:
     model_sub = model.add_subparsers(dest="model_cmd", required=True)
     prep = model_sub.add_parser("prepare", help="convert the packaged GGUF model (once)")
     prep.add_argument("--force", action="store_true")
+    billing = sub.add_parser("billing", help="reconcile and export usage")
+    billing_sub = billing.add_subparsers(dest="billing_cmd", required=True)
+    for name, text in (("reconcile", "compare terminal events with ledger rows"),
+                       ("export", "per-tenant usage")):
+        b = billing_sub.add_parser(name, help=text)
+        b.add_argument("--since", required=True, help="ISO time, e.g. 2026-11-30T00:00")
+        b.add_argument("--until", help="ISO time (default: now)")
+        if name == "export":
+            b.add_argument("--format", choices=["csv"], default="csv")
+    rp = sub.add_parser("replay", help="re-render an answer exactly as clients received it")
+    rp.add_argument("request_id")
+    rp.add_argument("--speed", default="max", help="1 (original timing), 10, or max")
+    rp.add_argument("--format", choices=["sse", "text", "json"], default="sse")
+    arch = sub.add_parser("archive", help="archived logs")
+    arch_sub = arch.add_subparsers(dest="archive_cmd", required=True)
+    purge = arch_sub.add_parser("purge", help="delete archived logs (retention, per tenant)")
+    purge.add_argument("--older-than-days", type=int)
+    purge.add_argument("--tenant")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    quiet = args.cmd in ("billing", "replay", "archive")
+    logging.basicConfig(
+        level=logging.WARNING if quiet else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     settings = Settings.from_env()
     if args.cmd == "up":
@@ -140,6 +247,12 @@ def main(argv: list[str] | None = None) -> None:
         cmd_migrate(settings)
     elif args.cmd == "model":
         cmd_model_prepare(settings, force=args.force)
+    elif args.cmd == "billing":
+        raise SystemExit(cmd_billing(settings, args))
+    elif args.cmd == "replay":
+        raise SystemExit(cmd_replay(settings, args))
+    elif args.cmd == "archive":
+        raise SystemExit(cmd_archive_purge(settings, args))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 1_000_000
+    operator_token: str | None = None  # Bearer token for /v1/admin routes (None: closed)
     default_max_tokens: int = 256
     max_model_len: int = 8192
 
