@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from typing import Any
 
@@ -62,8 +63,7 @@ def raw_events(client: httpx.Client, method: str, url: str, **kw: Any) -> tuple[
     with client.stream(method, url, **kw) as r:
         body = b"".join(r.iter_bytes())
         rid = r.headers["x-request-id"]
-    kept = b"".join(line + b"\n" for line in body.split(b"\n") if not line.startswith(b":"))
-    return rid, kept
+    return rid, re.sub(rb"^:[^\n]*\n", b"", body, flags=re.M)
 
 
 def ledger_row(database_url: str, request_id: str, timeout_s: float = 15.0) -> dict[str, Any] | None:
