@@ -64,6 +64,14 @@ class Settings:
     worker_concurrency: int = 8  # requests one worker runs at once
     request_deadline_s: float = 600.0
 
+    # vLLM engine (LASTEVENT_ENGINE=vllm); one worker process per engine
+    vllm_dtype: str = "auto"  # float32 on CPU; bfloat16 / float16 on GPU
+    vllm_max_model_len: int | None = None  # None: the model's own
+    vllm_tensor_parallel_size: int = 1  # GPUs one engine spans
+    vllm_gpu_memory_utilization: float = 0.9
+    vllm_kv_cache_gb: float | None = None  # CPU build only (VLLM_CPU_KVCACHE_SPACE)
+    vllm_enforce_eager: bool = False  # True on CPU: torch.compile takes minutes there
+
     # recorder (outbox -> Postgres rows + archived logs)
     recorder_in_worker: bool = True  # each worker also runs a recorder
     recorder_claim_idle_ms: int = 30_000  # take over another recorder's entries after this

@@ -35,7 +35,23 @@ def build_engine(settings: Settings, model: ModelInfo) -> Engine:
         from workers.engines.cpu import CpuEngine
 
         return CpuEngine(settings.resolved_model_dir)
-    raise SystemExit(f"unknown engine {settings.engine!r} (LASTEVENT_ENGINE: cpu | scripted)")
+    if settings.engine == "vllm":
+        from workers.engines.vllm import VllmConfig, VllmEngine
+
+        return VllmEngine(
+            VllmConfig(
+                model_dir=settings.resolved_model_dir,
+                dtype=settings.vllm_dtype,
+                max_model_len=settings.vllm_max_model_len,
+                tensor_parallel_size=settings.vllm_tensor_parallel_size,
+                gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
+                kv_cache_gb=settings.vllm_kv_cache_gb,
+                enforce_eager=settings.vllm_enforce_eager,
+            )
+        )
+    raise SystemExit(
+        f"unknown engine {settings.engine!r} (LASTEVENT_ENGINE: cpu | scripted | vllm)"
+    )
 
 
 async def serve(settings: Settings) -> None:
