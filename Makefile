@@ -44,10 +44,13 @@ $(VLLM_STAMP): pyproject.toml
 test-vllm: $(VLLM_STAMP)  ## the vLLM tier: the real vLLM CPU engine (own venv, ~2 min install once)
 	$(VLLM_BIN)/python -m pytest -m vllm $(PYTEST_ARGS) tests/vllm
 
+bench-vllm: $(VLLM_STAMP)  ## TTFT / ITL: vLLM's own OpenAI server vs lastevent + vLLM worker
+	$(VLLM_BIN)/python -m bench.vllm_compare $(BENCH_ARGS)
+
 test-fast: $(STAMP)  ## the pure protocol tests only
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
 clean:  ## remove the virtualenv and caches (not the data dir)
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis .cache
 
-.PHONY: help install run test test-vllm test-fast clean
+.PHONY: help install run test test-vllm bench-vllm test-fast clean

@@ -30,13 +30,16 @@ class ModelInfo:
 
     @classmethod
     def load(cls, model_dir: Path, name: str | None = None) -> ModelInfo:
+        """From ``lastevent.json`` (written by `lastevent model prepare`), or from a plain
+        Hugging Face model directory (tokenizer.json, tokenizer_config.json, config.json)."""
         meta_path = model_dir / "lastevent.json"
         tok_path = model_dir / "tokenizer.json"
-        if not meta_path.exists() or not tok_path.exists():
+        if not tok_path.exists():
             raise ModelNotPrepared(
-                f"no prepared model in {model_dir}: run `lastevent model prepare` first"
+                f"no tokenizer.json in {model_dir}: run `lastevent model prepare` "
+                "(or point LASTEVENT_MODEL_DIR at a Hugging Face model directory)"
             )
-        meta = json.loads(meta_path.read_text())
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else _hf_meta(model_dir)
         return cls(
             name=name or meta["model_name"],
             tokenizer=Tokenizer.from_file(str(tok_path)),
@@ -56,6 +59,33 @@ class ModelInfo:
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+
+def _hf_meta(model_dir: Path) -> dict[str, Any]:
+    """What lastevent.json holds, read from a Hugging Face model directory."""
+
+    def read(name: str) -> dict[str, Any]:
+        path = model_dir / name
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    tok, config, gen = read("tokenizer_config.json"), read("config.json"), read("generation_config.json")
+    template = tok.get("chat_template")
+    if template is None and (model_dir / "chat_template.jinja").exists():
+        template = (model_dir / "chat_template.jinja").read_text()
+    if not template:
+        raise ModelNotPrepared(f"{model_dir} has no chat template")
+    eos = gen.get("eos_token_id", config.get("eos_token_id"))
+    eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if not eos_ids and isinstance(tok.get("eos_token"), str):
+        vocab = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        found = vocab.token_to_id(tok["eos_token"])
+        eos_ids = [found] if found is not None else []
+    return {
+        "model_name": model_dir.name,
+        "eos_token_ids": eos_ids,
+        "chat_template": template,
+        "max_model_len": config.get("max_position_embeddings") or 8192,
+    }
 
 
 def _raise(message: str) -> None:

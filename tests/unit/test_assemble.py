@@ -71,3 +71,18 @@ def test_eos_is_counted_not_shown(model: ModelInfo) -> None:
     got, end = run(model, ids, [], [])
     assert got == "Hi there"
     assert end.completion_tokens == len(ids)
+
+
+def test_model_info_from_a_plain_hugging_face_directory(model_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """GPU users point LASTEVENT_MODEL_DIR at any HF directory; no lastevent.json needed."""
+    import shutil
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json"):
+        shutil.copy(model_dir / name, tmp_path / name)
+    plain = ModelInfo.load(tmp_path)
+    prepared = ModelInfo.load(model_dir)
+    assert plain.eos_token_ids == prepared.eos_token_ids
+    assert plain.chat_template == prepared.chat_template
+    assert plain.max_model_len == prepared.max_model_len
+    messages = [{"role": "user", "content": "hi"}]
+    assert plain.render_chat(messages) == prepared.render_chat(messages)
