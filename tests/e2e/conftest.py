@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -106,14 +107,25 @@ def make_stack(
     return Stack(settings=s, logs=logs)
 
 
+@contextlib.contextmanager
+def running(
+    tmp: Path, redis_url: str, database_url: str, model_dir: Path, *, apis: int = 1,
+    **settings: object,
+) -> Iterator[Stack]:
+    """A stack with one worker and ``apis`` API processes, stopped on exit."""
+    st = make_stack(tmp, redis_url, database_url, model_dir, **settings)
+    try:
+        st.start_worker()
+        for _ in range(apis):
+            st.start_api()
+        yield st
+    finally:
+        st.stop()
+
+
 @pytest.fixture(scope="module")
 def stack(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
 ) -> Iterator[Stack]:
-    st = make_stack(tmp_path_factory.mktemp("stack"), redis_url, database_url, model_dir)
-    try:
-        st.start_worker()
-        st.start_api()
+    with running(tmp_path_factory.mktemp("stack"), redis_url, database_url, model_dir) as st:
         yield st
-    finally:
-        st.stop()

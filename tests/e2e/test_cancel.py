@@ -19,7 +19,7 @@ import httpx
 import pytest
 from httpx_sse import EventSource
 
-from tests.e2e.conftest import Stack, make_stack
+from tests.e2e.conftest import Stack, running
 from tests.e2e.helpers import LONG, chat_body, content_of, finish_reason, ledger_row, read_all
 
 RATE = 40.0
@@ -29,18 +29,12 @@ RATE = 40.0
 def stack(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
 ) -> Iterator[Stack]:
-    st = make_stack(
-        tmp_path_factory.mktemp("cancel"), redis_url, database_url, model_dir,
+    with running(
+        tmp_path_factory.mktemp("cancel"), redis_url, database_url, model_dir, apis=2,
         scripted_tokens_per_s=RATE, scripted_prefill_s=0.8, worker_concurrency=3,
         presence_check_s=0.2, lease_refresh_s=0.5, lease_ttl_s=2.0, cancel_wait_s=5.0,
-    )
-    try:
-        st.start_worker()
-        st.start_api()
-        st.start_api()
+    ) as st:
         yield st
-    finally:
-        st.stop()
 
 
 def body(stack: Stack, **options: Any) -> dict[str, Any]:
@@ -264,17 +258,12 @@ def _latest_row(stack: Stack, state: str) -> dict[str, Any] | None:
 def burst_stack(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
 ) -> Iterator[Stack]:
-    st = make_stack(
+    with running(
         tmp_path_factory.mktemp("burst"), redis_url, database_url, model_dir,
         scripted_tokens_per_s=RATE, worker_concurrency=32, presence_check_s=0.2,
         lease_refresh_s=0.5, lease_ttl_s=2.0,
-    )
-    try:
-        st.start_worker()
-        st.start_api()
+    ) as st:
         yield st
-    finally:
-        st.stop()
 
 
 async def test_burst_with_walkaways_wastes_at_most_what_the_grace_allows(burst_stack: Stack) -> None:

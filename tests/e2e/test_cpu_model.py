@@ -9,7 +9,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.e2e.conftest import Stack, make_stack
+from tests.e2e.conftest import Stack, running
 from tests.e2e.helpers import assert_ids_increase, content_of, read_all
 
 
@@ -17,13 +17,9 @@ from tests.e2e.helpers import assert_ids_increase, content_of, read_all
 def cpu_stack(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
 ) -> Iterator[Stack]:
-    st = make_stack(tmp_path_factory.mktemp("cpu"), redis_url, database_url, model_dir, engine="cpu")
-    try:
-        st.start_worker()
-        st.start_api()
+    with running(tmp_path_factory.mktemp("cpu"), redis_url, database_url, model_dir,
+                 engine="cpu") as st:
         yield st
-    finally:
-        st.stop()
 
 
 def test_real_model_streams_and_resumes(cpu_stack: Stack) -> None:

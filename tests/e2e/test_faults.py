@@ -12,7 +12,7 @@ import httpx
 import pytest
 from httpx_sse import EventSource
 
-from tests.e2e.conftest import Stack, make_stack
+from tests.e2e.conftest import Stack, running
 from tests.e2e.helpers import LONG, chat_body, content_of, finish_reason, ledger_row, read_all
 
 
@@ -21,14 +21,9 @@ def faulty(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
 ) -> Iterator[Stack]:
     """One worker whose engine fails after 5 tokens."""
-    st = make_stack(tmp_path_factory.mktemp("faulty"), redis_url, database_url, model_dir,
-                    scripted_fail_after=5)
-    try:
-        st.start_worker()
-        st.start_api()
+    with running(tmp_path_factory.mktemp("faulty"), redis_url, database_url, model_dir,
+                 scripted_fail_after=5) as st:
         yield st
-    finally:
-        st.stop()
 
 
 @pytest.fixture(scope="module")
@@ -36,14 +31,9 @@ def stalled(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
 ) -> Iterator[Stack]:
     """One worker whose engine stops producing after 3 tokens; deadline 2 s."""
-    st = make_stack(tmp_path_factory.mktemp("stalled"), redis_url, database_url, model_dir,
-                    scripted_stall_after=3, request_deadline_s=2.0)
-    try:
-        st.start_worker()
-        st.start_api()
+    with running(tmp_path_factory.mktemp("stalled"), redis_url, database_url, model_dir,
+                 scripted_stall_after=3, request_deadline_s=2.0) as st:
         yield st
-    finally:
-        st.stop()
 
 
 def _error_event(events: list) -> dict:  # type: ignore[type-arg]
