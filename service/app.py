@@ -26,7 +26,8 @@ from service.keys import Keys
 from service.metrics import REJECTED
 from service.queue import RequestQueue
 from service.redis_log import RedisLog
-from service.requests import Context
+from service.auth import KeyStore, Principal
+from service.requests import Context, authenticate
 from service.settings import Settings
 from service.tail import LogTailer
 from service.tokenize import ModelInfo
@@ -68,6 +69,8 @@ def _internal_error(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
 
 def create_app(settings: Settings) -> Litestar:
     model = ModelInfo.load(settings.resolved_model_dir, settings.model_name)
+    if settings.auth == "required" and not settings.database_url:
+        raise RuntimeError("API keys live in Postgres: set LASTEVENT_DATABASE_URL or LASTEVENT_AUTH=off")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -97,6 +100,7 @@ def create_app(settings: Settings) -> Litestar:
             ledger=Ledger(engine) if engine else None,
             control=control,
             presence=presence,
+            keys=KeyStore(engine, settings.auth_cache_s) if engine else None,
         )
         await tailer.start()
         await presence.start()
@@ -114,6 +118,9 @@ def create_app(settings: Settings) -> Litestar:
         ctx: Context = request.app.state.ctx
         return ctx
 
+    async def provide_principal(request: Request[Any, Any, Any]) -> Principal:
+        return await authenticate(request.app.state.ctx, request.headers.get("authorization"))
+
     return Litestar(
         route_handlers=[
             CompletionsController,
@@ -121,7 +128,10 @@ def create_app(settings: Settings) -> Litestar:
             SystemController,
             AdminController,
         ],
-        dependencies={"ctx": Provide(provide_ctx, sync_to_thread=False)},
+        dependencies={
+            "ctx": Provide(provide_ctx, sync_to_thread=False),
+            "principal": Provide(provide_principal),
+        },
         exception_handlers={
             ApiError: _api_error,
             HTTPException: _http_error,

@@ -133,6 +133,51 @@ def cmd_replay(settings: Settings, args: argparse.Namespace) -> int:
     return int(asyncio.run(_with_stores(settings, run)))
 
 
+def cmd_keys_create(settings: Settings, args: argparse.Namespace) -> int:
+    import asyncio
+
+    from service.auth import KeyStore
+    from service.db.ledger import make_engine
+
+    if not settings.database_url:
+        raise SystemExit("LASTEVENT_DATABASE_URL is not set")
+
+    async def create() -> str:
+        engine = make_engine(settings.database_url or "")
+        try:
+            models = args.models.split(",") if args.models else None
+            return await KeyStore(engine).create(args.tenant, role=args.role, models=models)
+        finally:
+            await engine.dispose()
+
+    key = asyncio.run(create())
+    print(key)
+    print(f"(tenant {args.tenant}, role {args.role}; shown once, stored hashed)", file=sys.stderr)
+    return 0
+
+
+def ensure_dev_key(settings: Settings) -> str:
+    """`lastevent up` only: a fixed development key, so the quick start works as printed."""
+    import asyncio
+
+    from service.auth import KeyStore, parse_key
+    from service.db.ledger import make_engine
+
+    parsed = parse_key(settings.dev_api_key)
+    if parsed is None:
+        raise SystemExit("LASTEVENT_DEV_API_KEY must look like sk-le-<id>-<secret>")
+
+    async def create() -> None:
+        engine = make_engine(settings.database_url or "")
+        try:
+            await KeyStore(engine).create("dev", key_id=parsed[0], secret=parsed[1])
+        finally:
+            await engine.dispose()
+
+    asyncio.run(create())
+    return settings.dev_api_key
+
+
 def cmd_archive_purge(settings: Settings, args: argparse.Namespace) -> int:
     import asyncio
 
@@ -164,12 +209,15 @@ def cmd_up(settings: Settings) -> None:
             redis_url=settings.redis_url or r, database_url=settings.database_url or p
         )
         cmd_migrate(settings)
+        dev_key = ensure_dev_key(settings) if settings.auth == "required" else None
         if not is_prepared(settings.resolved_model_dir):
             print("preparing the model (once)...", flush=True)
             cmd_model_prepare(settings)
         env = {**os.environ, **settings.to_env()}
         children = [_spawn("api", env), _spawn("worker", env)]
         print(f"lastevent serving on http://{settings.host}:{settings.port}  (Ctrl-C stops)")
+        if dev_key:
+            print(f"development API key (tenant 'dev', local use only): {dev_key}")
         _supervise(children)
 
 
@@ -222,13 +270,19 @@ def main(argv: list[str] | None = None) -> None:
     rp.add_argument("request_id")
     rp.add_argument("--speed", default="max", help="1 (original timing), 10, or max")
     rp.add_argument("--format", choices=["sse", "text", "json"], default="sse")
+    keys = sub.add_parser("keys", help="API keys")
+    keys_sub = keys.add_subparsers(dest="keys_cmd", required=True)
+    kc = keys_sub.add_parser("create", help="create a key for a tenant (printed once)")
+    kc.add_argument("--tenant", required=True)
+    kc.add_argument("--role", choices=["user", "operator"], default="user")
+    kc.add_argument("--models", help="comma-separated models it may use (default: all)")
     arch = sub.add_parser("archive", help="archived logs")
     arch_sub = arch.add_subparsers(dest="archive_cmd", required=True)
     purge = arch_sub.add_parser("purge", help="delete archived logs (retention, per tenant)")
     purge.add_argument("--older-than-days", type=int)
     purge.add_argument("--tenant")
     args = parser.parse_args(argv)
-    quiet = args.cmd in ("billing", "replay", "archive")
+    quiet = args.cmd in ("billing", "replay", "archive", "keys")
     logging.basicConfig(
         level=logging.WARNING if quiet else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
@@ -251,6 +305,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(cmd_billing(settings, args))
     elif args.cmd == "replay":
         raise SystemExit(cmd_replay(settings, args))
+    elif args.cmd == "keys":
+        raise SystemExit(cmd_keys_create(settings, args))
     elif args.cmd == "archive":
         raise SystemExit(cmd_archive_purge(settings, args))
 

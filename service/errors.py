@@ -2,6 +2,8 @@
 
     ApiError                      -- base; rendered as {"error": {message, type, param, code}}
     ├── InvalidRequest      400   -- bad parameter: names the parameter, limit, observed value
+    ├── Unauthorized        401   -- no API key, or not a valid one
+    ├── Forbidden           403   -- the key may not use this model or route
     ├── NotFound            404   -- unknown request id (or another tenant's: same answer)
     ├── PayloadTooLarge     413   -- body over the size limit
     └── ServiceUnavailable  503   -- dependency down / over capacity; carries Retry-After
@@ -47,6 +49,20 @@ class ApiError(Exception):
 class InvalidRequest(ApiError):
     status_code = 400
     error_type = "invalid_request_error"
+
+
+class Unauthorized(ApiError):
+    status_code = 401
+    error_type = "authentication_error"
+
+    def __init__(self, message: str, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.headers.setdefault("WWW-Authenticate", "Bearer")
+
+
+class Forbidden(ApiError):
+    status_code = 403
+    error_type = "permission_error"
 
 
 class NotFound(ApiError):

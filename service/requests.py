@@ -12,6 +12,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from service.auth import KeyStore, Principal
 from service.control import Control, Lease, Presence
 from service.db.ledger import Ledger
 from service.errors import InvalidRequest
@@ -45,6 +46,7 @@ class Context:
     ledger: Ledger | None
     control: Control
     presence: Presence
+    keys: KeyStore | None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -106,7 +108,9 @@ def check_max_tokens(requested: int | None, prompt_tokens: int, settings: Settin
     return requested
 
 
-async def submit(ctx: Context, sub: Submission, model_name: str) -> tuple[str, Created, Lease]:
+async def submit(
+    ctx: Context, sub: Submission, model_name: str, principal: Principal
+) -> tuple[str, Created, Lease]:
     """Create the log (``created`` event), take the caller's reader lease, enqueue the job.
 
     The lease exists before any worker can see the job, so a worker never mistakes a
@@ -118,6 +122,8 @@ async def submit(ctx: Context, sub: Submission, model_name: str) -> tuple[str, C
         created=int(time.time()),
         prompt_tokens=len(sub.prompt_token_ids),
         include_usage=sub.include_usage,
+        tenant=principal.tenant,
+        api_key_id=principal.key_id,
     )
     settings = ctx.settings
     safety_ttl_s = int(settings.hot_log_ttl_s + 2 * settings.request_deadline_s)
@@ -232,6 +238,7 @@ async def request_status(ctx: Context, rid: str) -> dict[str, Any] | None:
         return {
             "id": rid,
             "object": "request",
+            "tenant": created.tenant if created else None,
             "state": meta.state,
             "model": created.model if created else None,
             "created": created.created if created else None,
@@ -245,6 +252,7 @@ async def request_status(ctx: Context, rid: str) -> dict[str, Any] | None:
     return {
         "id": row.id,
         "object": "request",
+        "tenant": row.tenant,
         "state": row.state,
         "model": row.model,
         "created": int(row.created_at.timestamp()),
@@ -270,3 +278,25 @@ async def cold_frames(
         out.extend(sse_event_frames(renderer, eid, event, cursor))
     if out:
         yield b"".join(out)
+
+
+async def authenticate(ctx: Context, authorization: str | None) -> Principal:
+    """The caller, from ``Authorization: Bearer sk-le-...``."""
+    from service.auth import ANONYMOUS, parse_key
+    from service.errors import Unauthorized
+
+    raw = (authorization or "").strip()
+    if raw.lower().startswith("bearer "):
+        raw = raw[7:].strip()
+    if ctx.settings.auth == "off" and parse_key(raw) is None:
+        return ANONYMOUS  # SDKs insist on some api_key; with auth off, only real keys count
+    if not raw:
+        raise Unauthorized(
+            "no API key: send 'Authorization: Bearer sk-le-...'", code="missing_api_key"
+        )
+    if ctx.keys is None:
+        raise Unauthorized("API keys need a database (LASTEVENT_DATABASE_URL)", code="no_key_store")
+    principal = await ctx.keys.verify(raw)
+    if principal is None:
+        raise Unauthorized("the API key is not valid", code="invalid_api_key")
+    return principal

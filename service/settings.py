@@ -38,7 +38,10 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 1_000_000
-    operator_token: str | None = None  # Bearer token for /v1/admin routes (None: closed)
+    operator_token: str | None = None  # break-glass Bearer token for /v1/admin (None: off)
+    auth: str = "required"  # required | off (off: requests without a key act as "default")
+    auth_cache_s: float = 30.0  # verified keys are cached this long (revocation delay)
+    dev_api_key: str = "sk-le-dev-localdevelopment"  # created by `lastevent up` only
     default_max_tokens: int = 256
     max_model_len: int = 8192
 

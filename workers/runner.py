@@ -254,6 +254,8 @@ class Runner:
             else int(outcome.first_token_at * 1000),
             error_code=outcome.error_code,
             worker_id=self.settings.worker_id,
+            tenant=created.tenant if created else None,
+            api_key_id=created.api_key_id if created else None,
         )
 
     async def _wasted(self, rid: str, end: End, outcome: _Outcome) -> int:

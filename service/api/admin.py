@@ -1,6 +1,5 @@
-"""Operator-only routes. Until API keys with roles exist, an operator presents
-``Authorization: Bearer $LASTEVENT_OPERATOR_TOKEN``; with no token configured the
-routes are closed (403)."""
+"""Operator-only routes: an API key with the ``operator`` role (operators may replay
+any tenant's request), or the break-glass ``LASTEVENT_OPERATOR_TOKEN``."""
 
 from __future__ import annotations
 
@@ -11,21 +10,20 @@ from litestar import Controller, Request, get
 from litestar.response import Stream
 
 from service import replay
-from service.errors import ApiError, InvalidRequest, NotFound
-from service.requests import Context
+from service.errors import Forbidden, InvalidRequest, NotFound
+from service.requests import Context, authenticate
 from service.stream import sse
 
 
-class Forbidden(ApiError):
-    status_code = 403
-    error_type = "permission_error"
-
-
-def _require_operator(ctx: Context, request: Request[Any, Any, Any]) -> None:
+async def _require_operator(ctx: Context, request: Request[Any, Any, Any]) -> None:
+    """An API key with the operator role, or the break-glass operator token."""
     token = ctx.settings.operator_token
     given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-    if not token or not hmac.compare_digest(given.encode(), token.encode()):
-        raise Forbidden("operator role required", code="forbidden")
+    if token and hmac.compare_digest(given.encode(), token.encode()):
+        return
+    principal = await authenticate(ctx, request.headers.get("authorization"))
+    if principal.role != "operator":
+        raise Forbidden("this route needs an API key with the operator role", code="forbidden")
 
 
 class AdminController(Controller):
@@ -41,7 +39,7 @@ class AdminController(Controller):
         speed: str = "max",
         format: str = "sse",  # noqa: A002 - the public parameter name
     ) -> Stream:
-        _require_operator(ctx, request)
+        await _require_operator(ctx, request)
         if format not in ("sse", "text", "json"):
             raise InvalidRequest("format must be sse, text or json", param="format")
         try:

@@ -10,7 +10,8 @@ from litestar import Controller, Request, Response, post
 from litestar.response import Stream
 
 from service.api.schemas import ChatCompletionRequest, CompletionRequest, message_dicts
-from service.errors import ApiError, InvalidRequest
+from service.auth import Principal
+from service.errors import ApiError, Forbidden, InvalidRequest
 from service.metrics import REQUESTS
 from service.requests import (
     Context,
@@ -29,12 +30,18 @@ REQUEST_ID_HEADER = "X-Request-Id"
 T = TypeVar("T")
 
 
-def _check_common(ctx: Context, body: ChatCompletionRequest | CompletionRequest) -> None:
+def _check_common(
+    ctx: Context, body: ChatCompletionRequest | CompletionRequest, principal: Principal
+) -> None:
     if body.model != ctx.model.name:
         raise InvalidRequest(
             f"the model '{body.model}' does not exist; this server serves '{ctx.model.name}'",
             param="model",
             code="model_not_found",
+        )
+    if not principal.may_use(body.model):
+        raise Forbidden(
+            f"this API key may not use the model '{body.model}'", param="model", code="model_not_allowed"
         )
     if body.n != 1:
         raise InvalidRequest(f"n is {body.n}; only n=1 is supported", param="n")
@@ -74,9 +81,13 @@ def _submission(
 
 
 async def _answer(
-    ctx: Context, request: Request[Any, Any, Any], body: Any, sub: Submission
+    ctx: Context,
+    request: Request[Any, Any, Any],
+    body: Any,
+    sub: Submission,
+    principal: Principal,
 ) -> Response[Any] | Stream:
-    rid, created, lease = await submit(ctx, sub, body.model)
+    rid, created, lease = await submit(ctx, sub, body.model, principal)
     REQUESTS.labels(kind=str(sub.kind), stream=str(bool(body.stream)).lower()).inc()
     headers = {REQUEST_ID_HEADER: rid}
     if body.stream:
@@ -124,9 +135,13 @@ class CompletionsController(Controller):
 
     @post("/chat/completions", status_code=200, summary="Create a chat completion")
     async def chat(
-        self, ctx: Context, request: Request[Any, Any, Any], data: ChatCompletionRequest
+        self,
+        ctx: Context,
+        principal: Principal,
+        request: Request[Any, Any, Any],
+        data: ChatCompletionRequest,
     ) -> Response[Any] | Stream:
-        _check_common(ctx, data)
+        _check_common(ctx, data, principal)
         if not data.messages:
             raise InvalidRequest("'messages' must not be empty", param="messages")
         try:
@@ -136,13 +151,17 @@ class CompletionsController(Controller):
         prompt_ids = ctx.model.encode(text)
         max_tokens = data.max_completion_tokens or data.max_tokens
         sub = _submission(ctx, data, Kind.CHAT, prompt_ids, max_tokens)
-        return await _answer(ctx, request, data, sub)
+        return await _answer(ctx, request, data, sub, principal)
 
     @post("/completions", status_code=200, summary="Create a text completion")
     async def completions(
-        self, ctx: Context, request: Request[Any, Any, Any], data: CompletionRequest
+        self,
+        ctx: Context,
+        principal: Principal,
+        request: Request[Any, Any, Any],
+        data: CompletionRequest,
     ) -> Response[Any] | Stream:
-        _check_common(ctx, data)
+        _check_common(ctx, data, principal)
         prompt = data.prompt
         if isinstance(prompt, list) and any(isinstance(p, str) for p in prompt):
             if len(prompt) != 1 or not isinstance(prompt[0], str):
@@ -165,4 +184,4 @@ class CompletionsController(Controller):
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
         sub = _submission(ctx, data, Kind.TEXT, prompt_ids, data.max_tokens)
-        return await _answer(ctx, request, data, sub)
+        return await _answer(ctx, request, data, sub, principal)

@@ -16,7 +16,8 @@ from service.metrics import RESUMES
 from service.requests import Context, cold_frames, request_status, sse_frames
 from service.stream import archive
 from service.stream import sse
-from service.stream.events import End, Event, FinishReason, State, Summary
+from service.auth import Principal
+from service.stream.events import Created, End, Event, FinishReason, State, Summary
 from service.stream.ids import Cursor, EventId, InvalidEventId
 
 
@@ -27,6 +28,18 @@ def _cursor(raw: str | None, param: str) -> Cursor | None:
         return Cursor.parse(raw)
     except InvalidEventId as exc:
         raise InvalidRequest(str(exc), param=param, code="invalid_event_id") from None
+
+
+def _owned(
+    created: Event | None, principal: Principal, rid: str, *, required: bool = False
+) -> Created | None:
+    """The request's ``Created`` if it belongs to the caller's tenant. Another tenant's
+    request gets the same 404 as one that never existed."""
+    if created is None and not required:
+        return None
+    if not isinstance(created, Created) or created.tenant != principal.tenant:
+        raise NotFound(f"no request '{rid}'", param="request_id", code="not_found")
+    return created
 
 
 def _foreign(cursor: Cursor, rid: str, param: str) -> InvalidRequest:
@@ -55,16 +68,22 @@ class RequestsController(Controller):
 
     @get("/{request_id:str}/events", summary="Stream a request's events (resumable)")
     async def events(
-        self, ctx: Context, request: Request[Any, Any, Any], request_id: str, after: str | None = None
+        self,
+        ctx: Context,
+        principal: Principal,
+        request: Request[Any, Any, Any],
+        request_id: str,
+        after: str | None = None,
     ) -> Stream:
         """SSE from the start, or after ``Last-Event-ID`` (header) / ``?after=``."""
         header = request.headers.get("last-event-id")
         cursor = _cursor(header, "Last-Event-ID") if header else _cursor(after, "after")
         param = "Last-Event-ID" if header else "after"
         headers = {**sse.HEADERS, REQUEST_ID_HEADER: request_id}
-        created = await ctx.log.first(request_id)
+        created = _owned(await ctx.log.first(request_id), principal, request_id)
         if created is None:  # the hot log is gone: one cursor, served from the archive
             entries = await _archived(ctx, request_id)
+            _owned(entries[0][1], principal, request_id, required=True)
             if cursor is not None and cursor.event not in {eid for eid, _ in entries}:
                 raise _foreign(cursor, request_id, param)
             return Stream(
@@ -82,9 +101,9 @@ class RequestsController(Controller):
         return Stream(frames, media_type=sse.MEDIA_TYPE, headers=headers)
 
     @get("/{request_id:str}", summary="A request's state, finish_reason and usage")
-    async def status(self, ctx: Context, request_id: str) -> dict[str, Any]:
+    async def status(self, ctx: Context, principal: Principal, request_id: str) -> dict[str, Any]:
         found = await request_status(ctx, request_id)
-        if found is None:
+        if found is None or found.pop("tenant") != principal.tenant:
             raise NotFound(f"no request '{request_id}'", param="request_id", code="not_found")
         return found
 
@@ -93,13 +112,14 @@ class RequestsController(Controller):
         status_code=200,
         summary="Cancel a request in any phase (idempotent)",
     )
-    async def cancel(self, ctx: Context, request_id: str) -> Response[dict[str, Any]]:
+    async def cancel(
+        self, ctx: Context, principal: Principal, request_id: str
+    ) -> Response[dict[str, Any]]:
         """Queued: ended here, no engine sees it. Running: its worker aborts it at the next
         engine step. Already ended: nothing changes. Answers the request's state: 200 once
         it is terminal, 202 if the worker has not confirmed within ``cancel_wait_s``."""
-        created = await ctx.log.first(request_id)
-        if created is None:
-            raise NotFound(f"no request '{request_id}'", param="request_id", code="not_found")
+        created = _owned(await ctx.log.first(request_id), principal, request_id, required=True)
+        assert created is not None
         queued_end = End(
             state=str(State.CANCELLED),
             finish_reason=str(FinishReason.CANCELLED),
@@ -112,6 +132,8 @@ class RequestsController(Controller):
             kind=created.kind,
             model=created.model,
             created_ms=first[0].ms if first else int(time.time() * 1000),
+            tenant=created.tenant,
+            api_key_id=created.api_key_id,
             state=queued_end.state,
             finish_reason=queued_end.finish_reason,
             prompt_tokens=created.prompt_tokens,
@@ -127,6 +149,7 @@ class RequestsController(Controller):
             found = await request_status(ctx, request_id)
             if found is None:
                 raise NotFound(f"no request '{request_id}'", param="request_id", code="not_found")
+            found.pop("tenant", None)
             if State(found["state"]).terminal or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(0.02)

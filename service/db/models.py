@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import datetime as dt
 
-from sqlalchemy import BigInteger, DateTime, Integer, LargeBinary, MetaData, String, Text
+from sqlalchemy import (
+    BigInteger,
+    DateTime,
+    ForeignKey,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    func,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING = {
@@ -57,3 +67,28 @@ class ArchiveRow(Base):
     events: Mapped[int] = mapped_column(Integer)
     raw_bytes: Mapped[int] = mapped_column(Integer)  # size before compression
     data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class TenantRow(Base):
+    __tablename__ = "tenants"
+
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    created_at: Mapped[dt.datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now()
+    )
+
+
+class ApiKeyRow(Base):
+    """An API key: its public id, its tenant, and a SHA-256 of its secret."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant: Mapped[str] = mapped_column(ForeignKey("tenants.name"), index=True)
+    secret_hash: Mapped[str] = mapped_column(String(64))
+    role: Mapped[str] = mapped_column(String(16), server_default="user")
+    models: Mapped[str | None] = mapped_column(Text)  # comma-separated; NULL: every model
+    created_at: Mapped[dt.datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now()
+    )
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))

@@ -57,6 +57,8 @@ class Created(_Event, tag="c"):
     created: int  # unix seconds, the OpenAI ``created`` field
     prompt_tokens: int
     include_usage: bool = False
+    tenant: str = "default"
+    api_key_id: str | None = None
 
 
 class Delta(_Event, tag="d"):

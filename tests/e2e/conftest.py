@@ -99,6 +99,7 @@ def make_stack(
         "engine": "scripted",
         "scripted_tokens_per_s": 200.0,
         "keepalive_s": 1.0,
+        "auth": "off",  # API keys and tenants are tested in test_auth.py
     }
     values.update(settings)
     s = Settings(**values)  # type: ignore[arg-type]

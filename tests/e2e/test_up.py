@@ -40,8 +40,14 @@ def test_up_with_embedded_servers_serves_and_stops_cleanly(tmp_path: Path, model
             time.sleep(0.2)
         else:
             raise AssertionError((tmp_path / "up.log").read_text())
-        resp = httpx.post(url + "/v1/chat/completions", timeout=30, json={
-            "model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hello up"}]})
+        printed = (tmp_path / "up.log").read_text()
+        key = printed.split("development API key (tenant 'dev', local use only): ")[1].split()[0]
+        body = {"model": "SmolLM2-135M-Instruct",
+                "messages": [{"role": "user", "content": "hello up"}]}
+        denied = httpx.post(url + "/v1/chat/completions", timeout=30, json=body)
+        assert denied.status_code == 401
+        resp = httpx.post(url + "/v1/chat/completions", timeout=30, json=body,
+                          headers={"Authorization": f"Bearer {key}"})
         assert resp.json()["choices"][0]["message"]["content"] == "hello up"
         children = psutil.Process(up.pid).children(recursive=True)
         assert children
