@@ -26,6 +26,7 @@ from service.keys import Keys
 from service.metrics import REJECTED
 from service.queue import RequestQueue
 from service.redis_log import RedisLog
+from service.admission import Admission
 from service.auth import KeyStore, Principal
 from service.requests import Context, authenticate
 from service.settings import Settings
@@ -101,6 +102,7 @@ def create_app(settings: Settings) -> Litestar:
             control=control,
             presence=presence,
             keys=KeyStore(engine, settings.auth_cache_s) if engine else None,
+            admission=Admission(redis, keys, settings),
         )
         await tailer.start()
         await presence.start()

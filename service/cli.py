@@ -215,10 +215,28 @@ def cmd_up(settings: Settings) -> None:
             cmd_model_prepare(settings)
         env = {**os.environ, **settings.to_env()}
         children = [_spawn("api", env), _spawn("worker", env)]
+        _wait_for_worker(settings, children)
         print(f"lastevent serving on http://{settings.host}:{settings.port}  (Ctrl-C stops)")
         if dev_key:
             print(f"development API key (tenant 'dev', local use only): {dev_key}")
         _supervise(children)
+
+
+def _wait_for_worker(settings: Settings, children: list[subprocess.Popen[bytes]]) -> None:
+    """Print the banner once a worker is ready (its first heartbeat), not before."""
+    import redis
+
+    from service.keys import Keys
+
+    client = redis.Redis.from_url(settings.redis_url or "")
+    deadline = time.monotonic() + 300
+    try:
+        while not client.hlen(Keys(settings.key_prefix).workers):
+            if any(c.poll() is not None for c in children) or time.monotonic() > deadline:
+                return  # _supervise reports and stops
+            time.sleep(0.2)
+    finally:
+        client.close()
 
 
 def _supervise(children: list[subprocess.Popen[bytes]]) -> None:

@@ -49,6 +49,19 @@ class Keys:
         """A worker's pub/sub channel: ``cancel:<request id>`` / ``check:<request id>``."""
         return f"{self.prefix}:ctl:{worker_id}"
 
+    @property
+    def workers(self) -> str:
+        """Worker heartbeats: worker id -> "<slots> <busy> <unix ms> <mean service ms>"."""
+        return f"{self.prefix}:workers"
+
+    def inflight(self, principal: str) -> str:
+        """A key's (or tenant's) requests in flight: request id -> expiry (ms)."""
+        return f"{self.prefix}:inflight:{principal}"
+
+    def rate(self, principal: str, minute: int) -> str:
+        """A key's (or tenant's) request count in one wall-clock minute."""
+        return f"{self.prefix}:rate:{principal}:{minute}"
+
     def wake(self, process_id: str) -> str:
         """A per-API-process stream used to wake its multiplexed XREAD BLOCK."""
         return f"{self.prefix}:wake:{process_id}"

@@ -12,6 +12,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from service.admission import Admission, who
 from service.auth import KeyStore, Principal
 from service.control import Control, Lease, Presence
 from service.db.ledger import Ledger
@@ -47,6 +48,7 @@ class Context:
     control: Control
     presence: Presence
     keys: KeyStore | None
+    admission: Admission
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -116,6 +118,8 @@ async def submit(
     The lease exists before any worker can see the job, so a worker never mistakes a
     request whose client is still connecting for an abandoned one."""
     rid = new_request_id(sub.kind)
+    await ctx.admission.check_capacity(len(ctx.presence))
+    await ctx.admission.admit(who(principal.tenant, principal.key_id), rid)
     created = Created(
         kind=str(sub.kind),
         model=model_name,
@@ -196,6 +200,7 @@ async def sse_frames(
                 out.extend(sse_event_frames(renderer, eid, event, cursor))
                 if isinstance(event, End):
                     ended = True
+                    await ctx.admission.release(who(created.tenant, created.api_key_id), rid)
                     break
             if out:
                 yield b"".join(out)
@@ -220,6 +225,7 @@ async def collect(ctx: Context, rid: str, created: Created, lease: Lease) -> Res
                 agg.add(event)
                 if isinstance(event, End):
                     lease.delivered = event.completion_tokens
+                    await ctx.admission.release(who(created.tenant, created.api_key_id), rid)
                     return agg
     finally:
         sub.close()

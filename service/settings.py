@@ -45,6 +45,13 @@ class Settings:
     default_max_tokens: int = 256
     max_model_len: int = 8192
 
+    # admission (429 / 503)
+    rate_limit_rpm: int = 0  # requests per minute per API key (0: unlimited)
+    max_concurrent_per_key: int = 0  # requests in flight per API key (0: unlimited)
+    max_queue_wait_s: float = 30.0  # 503 when the queue would wait longer than this
+    max_streams: int = 10_000  # open readers per API process before 503
+    worker_stale_s: float = 5.0  # a worker without a heartbeat this long is gone
+
     # event log
     hot_log_ttl_s: int = 3600  # the log stays in Redis this long after its terminal event
     tail_block_ms: int = 5000  # the multiplexed XREAD BLOCK timeout

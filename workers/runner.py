@@ -74,6 +74,7 @@ class Runner:
         self.running: set[str] = set()  # request ids inside the engine
         self.decisions: dict[str, State] = {}  # cancel / abandon decisions not yet applied
         self._timers: dict[str, asyncio.TimerHandle] = {}  # grace periods running out
+        self.mean_service_ms = 0.0  # moving average of claim-to-end time
         self._tasks: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Task[None]] = set()  # ledger writes
         self._stopping = asyncio.Event()
@@ -87,6 +88,7 @@ class Runner:
         watchers = [
             asyncio.create_task(self._watch_presence(), name="presence-check"),
             asyncio.create_task(self._listen_control(), name="control"),
+            asyncio.create_task(self._heartbeat(), name="heartbeat"),
         ]
         slots = asyncio.Semaphore(self.settings.worker_concurrency)
         try:
@@ -112,6 +114,8 @@ class Runner:
             for task in watchers:
                 task.cancel()
             await asyncio.gather(*watchers, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await self.redis.hdel(self.keys.workers, self.settings.worker_id)
             await self.batcher.close()
 
     def decide(self, rid: str, state: State) -> None:
@@ -182,6 +186,19 @@ class Runner:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
 
+    async def _heartbeat(self) -> None:
+        """Tell the API processes this worker is alive, its slots, and how long requests take
+        (what the 503 "queue would wait too long" estimate is made of)."""
+        while True:
+            if not self._stopping.is_set():
+                beat = (f"{self.settings.worker_concurrency} {len(self._tasks)} "
+                        f"{int(time.time() * 1000)} {int(self.mean_service_ms)}")
+                try:
+                    await self.redis.hset(self.keys.workers, self.settings.worker_id, beat)
+                except Exception as exc:
+                    log.warning("heartbeat failed: %s", exc)
+            await asyncio.sleep(1.0)
+
     async def _drain(self) -> None:
         """Let running requests finish (bounded by their deadlines)."""
         if self._tasks:
@@ -221,6 +238,10 @@ class Runner:
                 summary=encode_summary(summary),
             )
             await self.queue.ack(entry_id)
+            took_ms = time.time() * 1000 - dispatched_ms
+            self.mean_service_ms = took_ms if not self.mean_service_ms else (
+                0.9 * self.mean_service_ms + 0.1 * took_ms
+            )
         except Fenced:
             log.warning("request %s was taken over by another worker; stopping", rid)
         except LogError as exc:

@@ -68,8 +68,16 @@ class Stack:
             time.sleep(0.1)
         raise RuntimeError(f"API did not become ready: {self.tail(f'api-{port}')}")
 
-    def start_worker(self, name: str = "worker", **overrides: object) -> subprocess.Popen[bytes]:
-        return self._spawn("worker", name, worker_id=f"{name}-{uuid.uuid4().hex[:6]}", **overrides)
+    def start_worker(
+        self, name: str = "worker", *, wait: bool = True, **overrides: object
+    ) -> subprocess.Popen[bytes]:
+        proc = self._spawn("worker", name, worker_id=f"{name}-{uuid.uuid4().hex[:6]}", **overrides)
+        deadline = time.monotonic() + 240
+        while wait and "ready (engine" not in self.tail(name, 1_000_000):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"worker did not start: {self.tail(name)}")
+            time.sleep(0.1)
+        return proc
 
     def tail(self, name: str, n: int = 3000) -> str:
         path = self.logs / f"{name}.log"

@@ -26,13 +26,9 @@ def stack(
 ) -> Iterator[Stack]:
     st = make_stack(tmp_path_factory.mktemp("vllm"), redis_url, database_url, model_dir)
     try:
-        worker = st.start_worker(**{k.removeprefix("LASTEVENT_").lower(): v for k, v in VLLM_ENV.items()})
+        # vLLM's CPU build starts in ~30-60 s; start_worker waits for it
+        st.start_worker(**{k.removeprefix("LASTEVENT_").lower(): v for k, v in VLLM_ENV.items()})
         st.start_api()
-        deadline = time.monotonic() + 240  # vLLM's CPU build starts in ~30-60 s
-        while "ready (engine vllm)" not in st.tail("worker", 100_000):
-            assert worker.poll() is None, st.tail("worker")
-            assert time.monotonic() < deadline, st.tail("worker")
-            time.sleep(0.5)
         yield st
     finally:
         st.stop()
