@@ -3,6 +3,7 @@ the multiplexed log tailer and the tokenizer."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -28,7 +29,7 @@ from service.queue import RequestQueue
 from service.redis_log import RedisLog
 from service.admission import Admission
 from service.auth import KeyStore, Principal
-from service.requests import Context, authenticate
+from service.requests import Context, Drain, authenticate
 from service.settings import Settings
 from service.tail import LogTailer
 from service.tokenize import ModelInfo
@@ -68,8 +69,9 @@ def _internal_error(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     return Response(body, status_code=500)
 
 
-def create_app(settings: Settings) -> Litestar:
+def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
     model = ModelInfo.load(settings.resolved_model_dir, settings.model_name)
+    drain = drain or Drain()
     if settings.auth == "required" and not settings.database_url:
         raise RuntimeError("API keys live in Postgres: set LASTEVENT_DATABASE_URL or LASTEVENT_AUTH=off")
 
@@ -103,7 +105,9 @@ def create_app(settings: Settings) -> Litestar:
             presence=presence,
             keys=KeyStore(engine, settings.auth_cache_s) if engine else None,
             admission=Admission(redis, keys, settings),
+            drain=drain,
         )
+        drain.bind(asyncio.get_running_loop())
         await tailer.start()
         await presence.start()
         try:

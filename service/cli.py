@@ -21,16 +21,30 @@ def cmd_api(settings: Settings) -> None:
     import uvicorn
 
     from service.app import create_app
+    from service.requests import Drain
+
+    drain = Drain()
+
+    class DrainingServer(uvicorn.Server):
+        """On SIGTERM/SIGINT: stop accepting, tell open streams to reconnect, then exit
+        (uvicorn waits up to ``drain_s`` for connections, then cancels what is left)."""
+
+        def handle_exit(self, sig: int, frame: object) -> None:
+            drain.start()
+            super().handle_exit(sig, frame)  # type: ignore[arg-type]
 
     config = uvicorn.Config(
-        create_app(settings),
+        create_app(settings, drain),
         host=settings.host,
         port=settings.port,
         log_level="info",
-        timeout_graceful_shutdown=5,
         lifespan="on",
+        timeout_graceful_shutdown=int(settings.drain_s),
+        timeout_keep_alive=5,  # idle keep-alive connections
+        limit_concurrency=settings.max_streams + 100,  # beyond it uvicorn answers 503 itself
+        h11_max_incomplete_event_size=64 * 1024,  # header flood guard
     )
-    uvicorn.Server(config).run()
+    DrainingServer(config).run()
 
 
 def cmd_worker(settings: Settings) -> None:

@@ -34,6 +34,27 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_LEN = 64
 
 
+class Drain:
+    """Set when the API process starts to shut down: readers tell their clients to
+    reconnect (elsewhere) and close, so the process can exit within its drain time."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def start(self) -> None:
+        """Safe to call from a signal handler."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.event.set)
+
+    @property
+    def draining(self) -> bool:
+        return self.event.is_set()
+
+
 @dataclasses.dataclass(slots=True)
 class Context:
     """Everything a handler needs; built once in the app's lifespan."""
@@ -49,6 +70,7 @@ class Context:
     presence: Presence
     keys: KeyStore | None
     admission: Admission
+    drain: Drain
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -182,13 +204,20 @@ async def sse_frames(
     sub = ctx.tailer.subscribe(rid, _before(cursor))
     READERS.inc()
     keepalive_s = ctx.settings.keepalive_s
+    draining = asyncio.ensure_future(ctx.drain.event.wait())
     try:
         while True:
-            try:
-                batch = await asyncio.wait_for(sub.queue.get(), keepalive_s)
-            except TimeoutError:
+            getting = asyncio.ensure_future(sub.queue.get())
+            done, _ = await asyncio.wait({getting, draining}, timeout=keepalive_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if getting not in done:
+                getting.cancel()
+                if draining in done:  # shutting down: reconnect (elsewhere) with Last-Event-ID
+                    yield sse.retry(ctx.settings.reconnect_hint_ms)
+                    return
                 yield sse.KEEPALIVE
                 continue
+            batch = getting.result()
             if isinstance(batch, BaseException):
                 raise batch
             out: list[bytes] = []
@@ -208,6 +237,7 @@ async def sse_frames(
             if ended:
                 return
     finally:
+        draining.cancel()
         sub.close()
         READERS.dec()
         await lease.release()

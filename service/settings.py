@@ -38,6 +38,9 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 1_000_000
+    drain_s: float = 10.0  # on SIGTERM: streams are told to reconnect; exit within this
+    reconnect_hint_ms: int = 1000  # the SSE `retry:` sent to streams when draining
+    send_timeout_s: float = 30.0  # a client that accepts no bytes this long is cut off
     operator_token: str | None = None  # break-glass Bearer token for /v1/admin (None: off)
     auth: str = "required"  # required | off (off: requests without a key act as "default")
     auth_cache_s: float = 30.0  # verified keys are cached this long (revocation delay)

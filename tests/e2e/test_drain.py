@@ -1,0 +1,60 @@
+"""SIGTERM with open streams: the API tells them to reconnect, exits within its drain
+time, and the streams resume on another API process."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from httpx_sse import EventSource
+
+from tests.e2e.conftest import Stack, running
+from tests.e2e.helpers import LONG, assert_ids_increase, chat_body, content_of, read_all
+
+
+@pytest.fixture(scope="module")
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
+) -> Iterator[Stack]:
+    with running(tmp_path_factory.mktemp("drain"), redis_url, database_url, model_dir, apis=2,
+                 scripted_tokens_per_s=40.0, drain_s=5.0, reconnect_hint_ms=250) as st:
+        yield st
+
+
+def test_sigterm_tells_streams_to_reconnect_and_they_resume_elsewhere(stack: Stack) -> None:
+    doomed, survivor = stack.api_urls
+    api_proc = stack.procs[1]  # procs: worker, first API, second API
+    body = chat_body(stack.model, LONG, stream=True)
+    seen = []
+    retry = None
+    with httpx.Client(timeout=30) as client, client.stream(
+        "POST", doomed + "/v1/chat/completions", json=body
+    ) as r:
+        rid = r.headers["x-request-id"]
+        for event in EventSource(r).iter_sse():
+            if event.retry is not None:
+                retry = event.retry
+            if event.data:
+                seen.append(event)
+            if len(seen) == 5:
+                sent_at = time.monotonic()
+                api_proc.send_signal(signal.SIGTERM)
+        ended_at = time.monotonic()
+    assert retry == 250  # the reconnect hint arrived, then the stream closed
+    assert seen[-1].data != "[DONE]"  # truncated, not finished: the client resumes it
+    api_proc.wait(timeout=15)
+    exited_at = time.monotonic()
+    print(f"\ndrain: stream closed {1000 * (ended_at - sent_at):.0f} ms after SIGTERM, "
+          f"process gone after {1000 * (exited_at - sent_at):.0f} ms (drain limit 5000 ms)")
+    assert exited_at - sent_at < 5.0 + 3.0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(doomed + "/healthz", timeout=2)
+    with httpx.Client(base_url=survivor, timeout=30) as client:
+        _, rest = read_all(client, "GET", f"/v1/requests/{rid}/events",
+                           headers={"Last-Event-ID": seen[-1].id})
+    assert_ids_increase(seen + rest)
+    assert content_of(seen + rest) == LONG
