@@ -33,8 +33,10 @@ def cmd_api(settings: Settings) -> None:
             drain.start()
             super().handle_exit(sig, frame)  # type: ignore[arg-type]
 
+    from service.asgi import SendTimeoutMiddleware
+
     config = uvicorn.Config(
-        create_app(settings, drain),
+        SendTimeoutMiddleware(create_app(settings, drain), settings.send_timeout_s),
         host=settings.host,
         port=settings.port,
         log_level="info",

@@ -10,6 +10,7 @@ from litestar import Controller, Request, get
 from litestar.response import Stream
 
 from service import replay
+from service.api.schemas import error_responses
 from service.errors import Forbidden, InvalidRequest, NotFound
 from service.requests import Context, authenticate
 from service.stream import sse
@@ -30,7 +31,11 @@ class AdminController(Controller):
     path = "/v1/admin"
     tags = ["admin"]
 
-    @get("/requests/{request_id:str}/replay", summary="Replay an answer as clients received it")
+    @get(
+        "/requests/{request_id:str}/replay",
+        summary="Replay an answer as clients received it",
+        responses=error_responses(400, 401, 403, 404),
+    )
     async def replay(
         self,
         ctx: Context,

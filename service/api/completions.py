@@ -9,7 +9,12 @@ from typing import Any, TypeVar
 from litestar import Controller, Request, Response, post
 from litestar.response import Stream
 
-from service.api.schemas import ChatCompletionRequest, CompletionRequest, message_dicts
+from service.api.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_responses,
+    message_dicts,
+)
 from service.auth import Principal
 from service.errors import ApiError, Forbidden, InvalidRequest
 from service.metrics import REQUESTS
@@ -133,7 +138,12 @@ class CompletionsController(Controller):
     path = "/v1"
     tags = ["completions"]
 
-    @post("/chat/completions", status_code=200, summary="Create a chat completion")
+    @post(
+        "/chat/completions",
+        status_code=200,
+        summary="Create a chat completion",
+        responses=error_responses(400, 401, 403, 413, 429, 503),
+    )
     async def chat(
         self,
         ctx: Context,
@@ -153,7 +163,12 @@ class CompletionsController(Controller):
         sub = _submission(ctx, data, Kind.CHAT, prompt_ids, max_tokens)
         return await _answer(ctx, request, data, sub, principal)
 
-    @post("/completions", status_code=200, summary="Create a text completion")
+    @post(
+        "/completions",
+        status_code=200,
+        summary="Create a text completion",
+        responses=error_responses(400, 401, 403, 413, 429, 503),
+    )
     async def completions(
         self,
         ctx: Context,

@@ -16,6 +16,7 @@ from service.metrics import RESUMES
 from service.requests import Context, cold_frames, request_status, sse_frames
 from service.stream import archive
 from service.stream import sse
+from service.api.schemas import error_responses
 from service.auth import Principal
 from service.stream.events import Created, End, Event, FinishReason, State, Summary
 from service.stream.ids import Cursor, EventId, InvalidEventId
@@ -66,7 +67,11 @@ class RequestsController(Controller):
     path = "/v1/requests"
     tags = ["requests"]
 
-    @get("/{request_id:str}/events", summary="Stream a request's events (resumable)")
+    @get(
+        "/{request_id:str}/events",
+        summary="Stream a request's events (resumable)",
+        responses=error_responses(400, 401, 404),
+    )
     async def events(
         self,
         ctx: Context,
@@ -100,7 +105,11 @@ class RequestsController(Controller):
                     frames = _nothing()
         return Stream(frames, media_type=sse.MEDIA_TYPE, headers=headers)
 
-    @get("/{request_id:str}", summary="A request's state, finish_reason and usage")
+    @get(
+        "/{request_id:str}",
+        summary="A request's state, finish_reason and usage",
+        responses=error_responses(401, 404),
+    )
     async def status(self, ctx: Context, principal: Principal, request_id: str) -> dict[str, Any]:
         found = await request_status(ctx, request_id)
         if found is None or found.pop("tenant") != principal.tenant:
@@ -111,6 +120,7 @@ class RequestsController(Controller):
         "/{request_id:str}/cancel",
         status_code=200,
         summary="Cancel a request in any phase (idempotent)",
+        responses=error_responses(401, 404),
     )
     async def cancel(
         self, ctx: Context, principal: Principal, request_id: str

@@ -61,3 +61,32 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             content = m.content or ""
         out.append({"role": m.role, "content": content})
     return out
+
+
+class ErrorDetail(msgspec.Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(msgspec.Struct, kw_only=True):
+    """Every error status answers this (OpenAI's error object)."""
+
+    error: ErrorDetail
+
+
+def error_responses(*statuses: int) -> dict[int, Any]:
+    """OpenAPI entries for the error statuses a route can answer."""
+    from litestar.openapi.datastructures import ResponseSpec
+
+    text = {
+        400: "Invalid request: names the parameter, the limit and the observed value",
+        401: "Missing or invalid API key",
+        403: "The key may not use this model or route",
+        404: "No such request (another tenant's request looks the same)",
+        413: "Body over the size limit",
+        429: "The key is over its limits (see Retry-After)",
+        503: "Over capacity or no worker available (see Retry-After)",
+    }
+    return {s: ResponseSpec(data_container=ErrorResponse, description=text[s]) for s in statuses}

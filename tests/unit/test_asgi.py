@@ -1,0 +1,47 @@
+"""The send-timeout middleware cuts off a client that accepts no bytes."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from service.asgi import SendTimeout, SendTimeoutMiddleware
+
+
+async def streaming_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    for i in range(100):
+        await send({"type": "http.response.body", "body": b"x" * 10, "more_body": i < 99})
+
+
+async def test_frozen_client_is_cut_off() -> None:
+    sent: list[bytes] = []
+    frozen = asyncio.Event()
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            if len(sent) == 3:
+                await frozen.wait()  # the client's buffers are full: never returns
+            sent.append(message["body"])
+
+    app = SendTimeoutMiddleware(streaming_app, timeout_s=0.2)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(SendTimeout):
+        await app({"type": "http"}, None, send)
+    assert 0.2 <= loop.time() - started < 2
+    assert len(sent) == 3
+
+
+async def test_reading_client_gets_everything() -> None:
+    sent: list[bytes] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        await asyncio.sleep(0)
+        if message["type"] == "http.response.body":
+            sent.append(message["body"])
+
+    await SendTimeoutMiddleware(streaming_app, timeout_s=0.2)({"type": "http"}, None, send)
+    assert len(sent) == 100
