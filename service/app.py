@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,6 +32,7 @@ from service.admission import Admission
 from service.auth import KeyStore, Principal
 from service.requests import Context, Drain, authenticate
 from service.settings import Settings
+from service.sweeper import Sweeper
 from service.tail import LogTailer
 from service.tokenize import ModelInfo
 
@@ -110,9 +112,19 @@ def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
         drain.bind(asyncio.get_running_loop())
         await tailer.start()
         await presence.start()
+        sweeper = Sweeper(
+            redis,
+            keys,
+            sweeper_id=f"sweeper-{uuid.uuid4().hex[:8]}",
+            stale_s=settings.worker_stale_s,
+            hot_log_ttl_s=settings.hot_log_ttl_s,
+        )
+        sweeping = asyncio.create_task(sweeper.run(), name="sweeper")
         try:
             yield
         finally:
+            sweeping.cancel()
+            await asyncio.gather(sweeping, return_exceptions=True)
             await presence.stop()
             await tailer.stop()
             if engine is not None:

@@ -29,6 +29,10 @@ _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Job)
 
 
+def decode_job(data: bytes) -> Job:
+    return _dec.decode(data)
+
+
 class RequestQueue:
     def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis = redis

@@ -95,3 +95,43 @@ def test_a_reader_that_vanishes_is_unsubscribed(stalled: Stack) -> None:
     while _readers(stalled.url) != 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _readers(stalled.url) == 0
+
+
+def test_a_worker_killed_mid_answer_ends_the_stream_with_an_error(
+    tmp_path: Path, redis_url: str, database_url: str, model_dir: Path
+) -> None:
+    """kill -9 the only worker: the sweeper notices its stale heartbeat, the stream gets an
+    in-band worker_lost error, the request ends errored and is billed for what was made."""
+    import signal
+
+    from tests.e2e.conftest import make_stack
+
+    st = make_stack(tmp_path, redis_url, database_url, model_dir, scripted_tokens_per_s=20.0,
+                    worker_stale_s=2.0)
+    try:
+        worker = st.start_worker()
+        st.start_api()
+        events = []
+        with httpx.Client(base_url=st.url, timeout=30) as client, client.stream(
+            "POST", "/v1/chat/completions", json=chat_body(st.model, LONG, stream=True)
+        ) as r:
+            rid = r.headers["x-request-id"]
+            for event in EventSource(r).iter_sse():
+                events.append(event)
+                if len(events) == 5:
+                    killed_at = time.monotonic()
+                    worker.send_signal(signal.SIGKILL)
+        took = time.monotonic() - killed_at
+        print(f"\nworker killed: stream ended with worker_lost after {took * 1000:.0f} ms "
+              f"(heartbeat stale after 2000 ms, sweep every 2000 ms)")
+        assert _error_event(events)["code"] == "worker_lost"
+        assert took < 15
+        status = httpx.get(f"{st.url}/v1/requests/{rid}").json()
+        assert status["state"] == "errored"
+        # the only recorder died with the worker; a new one bills what the outbox holds
+        st._spawn("recorder", "recorder", worker_id="recorder-after")
+        row = ledger_row(database_url, rid)
+        assert row is not None and row["state"] == "errored"
+        assert row["error_code"] == "worker_lost" and row["completion_tokens"] >= 4
+    finally:
+        st.stop()

@@ -1,0 +1,122 @@
+"""The sweeper: no request hangs because its worker vanished.
+
+A worker that is killed leaves its requests pending in the queue's consumer group
+under its name, and its heartbeat goes stale. Every API process (and every worker)
+sweeps: pending entries whose consumer has no fresh heartbeat are claimed
+(``XCLAIM`` with a minimum idle time, so one sweeper wins), the request's ownership
+is taken (a new owner epoch fences out the old worker should it come back), and the
+log gets an in-band ``error`` (``worker_lost``) and the terminal ``errored`` event,
+with its outbox entry for billing. Readers see the error and the stream ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from redis.asyncio import Redis
+
+from service.keys import JOB_FIELD, QUEUE_GROUP, Keys
+from service.queue import RequestQueue, decode_job
+from service.redis_log import LogError, RedisLog
+from service.stream.events import Delta, End, Error, State, Summary, encode_summary
+
+log = logging.getLogger(__name__)
+
+
+class Sweeper:
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        *,
+        sweeper_id: str,
+        stale_s: float = 5.0,
+        interval_s: float = 2.0,
+        hot_log_ttl_s: int = 3600,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.sweeper_id = sweeper_id
+        self.stale_s = stale_s
+        self.interval_s = interval_s
+        self.hot_log_ttl_s = hot_log_ttl_s
+        self.log = RedisLog(redis, keys)
+        self.queue = RequestQueue(redis, keys)
+        self.swept = 0
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.sweep()
+            except Exception as exc:  # the next round tries again
+                log.warning("sweep failed: %s", exc)
+
+    async def sweep(self) -> int:
+        consumers = await self.redis.xinfo_consumers(self.keys.queue, QUEUE_GROUP)
+        dead = [c["name"] for c in consumers if c["pending"] and not await self._alive(c["name"])]
+        swept = 0
+        for consumer in dead:
+            name = consumer.decode() if isinstance(consumer, bytes) else consumer
+            pending = await self.redis.xpending_range(
+                self.keys.queue, QUEUE_GROUP, min="-", max="+", count=100, consumername=name
+            )
+            ids = [p["message_id"] for p in pending]
+            if not ids:
+                continue
+            claimed = await self.redis.xclaim(
+                self.keys.queue, QUEUE_GROUP, self.sweeper_id,
+                min_idle_time=int(self.stale_s * 1000), message_ids=ids,
+            )
+            for entry_id, fields in claimed:
+                if fields:
+                    await self._fail(decode_job(fields[JOB_FIELD]).request_id, name)
+                await self.queue.ack(entry_id)
+                swept += 1
+        self.swept += swept
+        return swept
+
+    async def _alive(self, worker: bytes | str) -> bool:
+        beat = await self.redis.hget(self.keys.workers, worker)
+        if beat is None:
+            return False
+        ts_ms = float(beat.split()[2])
+        return time.time() * 1000 - ts_ms <= self.stale_s * 1000
+
+    async def _fail(self, rid: str, worker: str) -> None:
+        epoch = await self.log.claim(rid, self.sweeper_id)
+        if epoch is None:  # it ended after all, or expired
+            return
+        first = await self.log.first_with_id(rid)
+        entries = await self.log.read(rid)
+        completion = max((e.n for _i, e in entries if isinstance(e, Delta)), default=0)
+        created_id, created = first if first else (None, None)
+        prompt = created.prompt_tokens if created else 0
+        message = f"the worker running this request ({worker}) stopped responding"
+        events = [
+            Error(code="worker_lost", message=message),
+            End(state=str(State.ERRORED), finish_reason=None, prompt_tokens=prompt,
+                completion_tokens=completion),
+        ]
+        summary = Summary(
+            request_id=rid,
+            kind=created.kind if created else "",
+            model=created.model if created else "",
+            created_ms=created_id.ms if created_id else int(time.time() * 1000),
+            state=str(State.ERRORED),
+            finish_reason=None,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            error_code="worker_lost",
+            worker_id=worker,
+            tenant=created.tenant if created else None,
+            api_key_id=created.api_key_id if created else None,
+        )
+        try:
+            await self.log.append(rid, epoch, events, terminal_state=str(State.ERRORED),
+                                  ttl_s=self.hot_log_ttl_s, summary=encode_summary(summary))
+            log.warning("request %s: worker %s lost; ended errored", rid, worker)
+        except LogError as exc:
+            log.warning("request %s: could not end it: %s", rid, exc)
