@@ -24,7 +24,13 @@ from service.settings import Settings
 from service.stream import sse
 from service.stream.events import Created, Delta, End, Event, Kind
 from service.stream.ids import Cursor, EventId
-from service.stream.render import ChunkRenderer, ResponseAggregate, sse_event_frames, usage
+from service.stream.render import (
+    ChunkRenderer,
+    ResponseAggregate,
+    coalesce,
+    sse_event_frames,
+    usage,
+)
 from service.tail import LogTailer
 from service.tokenize import ModelInfo
 
@@ -220,6 +226,15 @@ async def sse_frames(
             batch = getting.result()
             if isinstance(batch, BaseException):
                 raise batch
+            if sub.queue.qsize() >= ctx.settings.coalesce_backlog:
+                # this reader fell behind (its client reads slowly): take everything
+                # waiting and send runs of deltas as one event each
+                while not sub.queue.empty():
+                    more = sub.queue.get_nowait()
+                    if isinstance(more, BaseException):
+                        raise more
+                    batch = batch + more
+                batch = coalesce(batch)
             out: list[bytes] = []
             ended = False
             delivered = lease.delivered

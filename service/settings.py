@@ -60,6 +60,7 @@ class Settings:
     tail_block_ms: int = 5000  # the multiplexed XREAD BLOCK timeout
     tail_count: int = 512  # XREAD COUNT per stream per call
     keepalive_s: float = 15.0  # `: ping` comment after this long without an event
+    coalesce_backlog: int = 4  # a reader this many batches behind gets deltas merged
 
     # presence, abandonment, cancel
     resume_grace_s: float = 30.0  # abort a request whose last reader left this long ago

@@ -137,3 +137,23 @@ def sse_event_frames(
     payloads = renderer.render(event)
     ids = frame_ids(event_id, len(payloads))
     return [sse.frame(p, str(i)) for p, i in zip(payloads, ids, strict=True)][skip:]
+
+
+def coalesce(batch: list[tuple[EventId, Event]]) -> list[tuple[EventId, Event]]:
+    """Merge runs of consecutive deltas into one delta carrying the last one's id.
+
+    For a reader that fell behind: fewer, larger SSE events with the same text, and the
+    ids stay valid cursors (resuming after a merged event continues after its last part).
+    """
+    out: list[tuple[EventId, Event]] = []
+    for eid, event in batch:
+        if out and isinstance(event, Delta) and isinstance(out[-1][1], Delta):
+            prev = out[-1][1]
+            assert isinstance(prev, Delta)
+            merged = Delta(
+                text=prev.text + event.text, token_ids=prev.token_ids + event.token_ids, n=event.n
+            )
+            out[-1] = (eid, merged)
+        else:
+            out.append((eid, event))
+    return out

@@ -108,6 +108,9 @@ def make_stack(
         "scripted_tokens_per_s": 200.0,
         "keepalive_s": 1.0,
         "auth": "off",  # API keys and tenants are tested in test_auth.py
+        # byte-for-byte comparisons between live streams and replays must not depend on
+        # how loaded the machine is (coalescing is tested in tests/unit/test_coalesce.py)
+        "coalesce_backlog": 1_000_000,
     }
     values.update(settings)
     s = Settings(**values)  # type: ignore[arg-type]
