@@ -34,6 +34,7 @@ def cmd_api(settings: Settings) -> None:
             super().handle_exit(sig, frame)  # type: ignore[arg-type]
 
     from service.asgi import SendTimeoutMiddleware
+    from service.server import guarded_h11
 
     config = uvicorn.Config(
         SendTimeoutMiddleware(create_app(settings, drain), settings.send_timeout_s),
@@ -45,6 +46,7 @@ def cmd_api(settings: Settings) -> None:
         timeout_keep_alive=5,  # idle keep-alive connections
         limit_concurrency=settings.max_streams + 100,  # beyond it uvicorn answers 503 itself
         h11_max_incomplete_event_size=64 * 1024,  # header flood guard
+        http=guarded_h11(settings.request_read_timeout_s),  # slowloris guard
     )
     DrainingServer(config).run()
 

@@ -41,6 +41,7 @@ class Settings:
     drain_s: float = 10.0  # on SIGTERM: streams are told to reconnect; exit within this
     reconnect_hint_ms: int = 1000  # the SSE `retry:` sent to streams when draining
     send_timeout_s: float = 30.0  # a client that accepts no bytes this long is cut off
+    request_read_timeout_s: float = 10.0  # the whole request (head + body) must arrive in this
     operator_token: str | None = None  # break-glass Bearer token for /v1/admin (None: off)
     auth: str = "required"  # required | off (off: requests without a key act as "default")
     auth_cache_s: float = 30.0  # verified keys are cached this long (revocation delay)

@@ -1,0 +1,73 @@
+"""Slowloris: a client that sends its request a byte at a time is cut off."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import Stack, running
+
+
+@pytest.fixture(scope="module")
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
+) -> Iterator[Stack]:
+    with running(tmp_path_factory.mktemp("slow"), redis_url, database_url, model_dir,
+                 request_read_timeout_s=1.5) as st:
+        yield st
+
+
+def test_slowloris_is_cut_off(stack: Stack) -> None:
+    port = int(stack.url.rsplit(":", 1)[1])
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.settimeout(10)
+    started = time.monotonic()
+    closed_at = None
+    for byte in b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200:
+        try:
+            sock.sendall(bytes([byte]))
+            time.sleep(0.1)
+        except OSError:
+            closed_at = time.monotonic()
+            break
+        if _closed(sock):
+            closed_at = time.monotonic()
+            break
+    sock.close()
+    assert closed_at is not None, "the server kept the slow connection open"
+    print(f"\nslowloris: cut off after {closed_at - started:.1f} s (limit 1.5 s)")
+    assert 1.4 <= closed_at - started < 4
+    # a normal client meanwhile is served, and a long stream is not cut by the read timeout
+    assert httpx.get(stack.url + "/healthz").status_code == 200
+
+
+def _readable(sock: socket.socket) -> bool:
+    import select
+
+    return bool(select.select([sock], [], [], 0)[0])
+
+
+def _closed(sock: socket.socket) -> bool:
+    if not _readable(sock):
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
+def test_a_long_stream_outlives_the_read_timeout(stack: Stack) -> None:
+    from tests.e2e.helpers import LONG, chat_body, content_of, read_all
+
+    with httpx.Client(base_url=stack.url, timeout=30) as client:
+        started = time.monotonic()
+        _, events = read_all(client, "POST", "/v1/chat/completions",
+                             json=chat_body(stack.model, LONG * 2, stream=True, max_tokens=400))
+        took = time.monotonic() - started
+    assert took > 1.5  # longer than the request read timeout, and not cut
+    assert events[-1].data == "[DONE]" and len(content_of(events)) > 100
