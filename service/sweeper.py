@@ -16,6 +16,7 @@ import logging
 import time
 
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from service.keys import JOB_FIELD, QUEUE_GROUP, Keys
 from service.queue import RequestQueue, decode_job
@@ -55,7 +56,12 @@ class Sweeper:
                 log.warning("sweep failed: %s", exc)
 
     async def sweep(self) -> int:
-        consumers = await self.redis.xinfo_consumers(self.keys.queue, QUEUE_GROUP)
+        try:
+            consumers = await self.redis.xinfo_consumers(self.keys.queue, QUEUE_GROUP)
+        except ResponseError as exc:  # no queue or group yet: no worker ever started
+            if "no such key" in str(exc).lower() or "NOGROUP" in str(exc):
+                return 0
+            raise
         dead = [c["name"] for c in consumers if c["pending"] and not await self._alive(c["name"])]
         swept = 0
         for consumer in dead:
