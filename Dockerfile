@@ -3,8 +3,7 @@
 # Targets (see ops/README.md):
 #   base  API, `lastevent migrate`, `lastevent model prepare`, and the CPU/scripted engines.
 #         CPU-only torch: no CUDA libraries in this image.
-#   gpu   GPU workers: the project with the `vllm` extra (the vLLM engine is coming;
-#         until it lands the extra does not exist and pip installs the project alone).
+#   gpu   GPU workers: the project with the `vllm` extra (vLLM's CUDA build).
 #
 # Both end in `ENTRYPOINT ["lastevent"]`; compose passes the subcommand.
 
