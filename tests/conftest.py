@@ -9,6 +9,7 @@ Redis key prefix; every session (each xdist worker) gets a fresh database.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import uuid
@@ -113,17 +114,23 @@ def drop_database(admin_url: str, name: str) -> None:
     asyncio.run(_admin(admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
-@pytest.fixture(scope="session")
-def database_url(pg_admin_url: str) -> Iterator[str]:
-    """A fresh database at alembic head, dropped after the session."""
+@contextlib.contextmanager
+def migrated_database(admin_url: str) -> Iterator[str]:
+    """A fresh database at alembic head, dropped afterwards."""
     from service.migrate import upgrade
 
-    url, name = fresh_database(pg_admin_url)
+    url, name = fresh_database(admin_url)
     try:
         upgrade(url)
         yield url
     finally:
-        drop_database(pg_admin_url, name)
+        drop_database(admin_url, name)
+
+
+@pytest.fixture(scope="session")
+def database_url(pg_admin_url: str) -> Iterator[str]:
+    with migrated_database(pg_admin_url) as url:
+        yield url
 
 
 @pytest.fixture

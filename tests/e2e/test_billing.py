@@ -21,8 +21,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from service.migrate import upgrade
-from tests.conftest import drop_database, fresh_database
+from tests.conftest import migrated_database
 from tests.e2e.conftest import Stack, free_port, make_stack
 from tests.e2e.helpers import LONG, chat_body, raw_events
 
@@ -83,12 +82,8 @@ class FlakyProxy:
 
 @pytest.fixture(scope="module")
 def billing_db(pg_admin_url: str) -> Iterator[str]:
-    url, name = fresh_database(pg_admin_url)
-    try:
-        upgrade(url)
+    with migrated_database(pg_admin_url) as url:
         yield url
-    finally:
-        drop_database(pg_admin_url, name)
 
 
 @pytest.fixture(scope="module")
