@@ -44,6 +44,9 @@ $(VLLM_STAMP): pyproject.toml
 test-vllm: $(VLLM_STAMP)  ## the vLLM tier: the real vLLM CPU engine (own venv, ~2 min install once)
 	$(VLLM_BIN)/python -m pytest -m vllm $(PYTEST_ARGS) tests/vllm
 
+bench: $(STAMP)  ## lastevent vs a no-Redis baseline: throughput, latency, resume, memory (~1 min)
+	$(BIN)/python -m bench.harness $(BENCH_ARGS)
+
 bench-vllm: $(VLLM_STAMP)  ## TTFT / ITL: vLLM's own OpenAI server vs lastevent + vLLM worker
 	$(VLLM_BIN)/python -m bench.vllm_compare $(BENCH_ARGS)
 
@@ -53,4 +56,4 @@ test-fast: $(STAMP)  ## the pure protocol tests only
 clean:  ## remove the virtualenv and caches (not the data dir)
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis .cache
 
-.PHONY: help install run test test-vllm bench-vllm test-fast clean
+.PHONY: help install run test test-vllm bench bench-vllm test-fast clean

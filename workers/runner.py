@@ -94,15 +94,19 @@ class Runner:
         try:
             while not self._stopping.is_set():
                 await slots.acquire()
+                taken = 1
+                while taken < 64 and not slots.locked():  # claim a burst in one read
+                    await slots.acquire()
+                    taken += 1
                 try:
-                    jobs = await self.queue.read(self.settings.worker_id, count=1, block_ms=500)
+                    jobs = await self.queue.read(self.settings.worker_id, count=taken, block_ms=500)
                 except Exception:
-                    slots.release()
+                    jobs = []
                     log.exception("queue read failed")
                     await asyncio.sleep(0.5)
-                    continue
-                if not jobs:
+                for _ in range(taken - len(jobs)):
                     slots.release()
+                if not jobs:
                     continue
                 for entry_id, job in jobs:
                     task = asyncio.create_task(self._serve(entry_id, job), name=job.request_id)

@@ -1,0 +1,86 @@
+"""The baseline a user would pick instead: the engine streamed straight to SSE, no Redis.
+
+The shape of vLLM's own OpenAI server: one process runs the (scripted) engine and
+writes each step's text to the client as it comes. It uses the same tokenizer,
+detokenizer, holdback and chunk rendering as lastevent, so the difference measured
+is the event log (queue, Redis appends, multiplexed tail), nothing else. Each SSE
+event's id carries its emit time (``<unix ms>-0``), as lastevent's entry ids do.
+
+    python -m bench.baseline --port 8100 --model-dir DIR --tokens-per-s 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import uvicorn
+from litestar import Litestar, Request, post
+from litestar.response import Stream
+
+from service.stream import sse
+from service.stream.assemble import Assembler
+from service.stream.events import Created, End, State
+from service.stream.ids import EventId
+from service.stream.render import ChunkRenderer, sse_event_frames
+from service.tokenize import ModelInfo
+from workers.engines.base import SamplingParams
+from workers.engines.scripted import ScriptedEngine
+
+
+def build(model: ModelInfo, tokens_per_s: float) -> Litestar:
+    engine = ScriptedEngine(model, tokens_per_s=tokens_per_s)
+    counter = iter(range(10**12))
+
+    async def frames(body: dict[str, Any]) -> AsyncIterator[bytes]:
+        rid = f"chatcmpl-base{next(counter)}"
+        prompt = model.encode(model.render_chat(body["messages"]))
+        options = body.get("stream_options") or {}
+        created = Created(kind="chat", model=body["model"], created=int(time.time()),
+                          prompt_tokens=len(prompt),
+                          include_usage=bool(options.get("include_usage")))
+        renderer = ChunkRenderer(rid, created)
+        asm = Assembler(model.tokenizer, prompt_tokens=len(prompt),
+                        stop_token_ids=model.eos_token_ids)
+
+        def now_id() -> EventId:
+            return EventId(int(time.time() * 1000), 0)
+
+        yield b"".join(sse_event_frames(renderer, now_id(), created, None))
+        params = SamplingParams(max_tokens=int(body.get("max_tokens") or 256),
+                                stop_token_ids=model.eos_token_ids)
+        reason = None
+        async for out in engine.generate(rid, prompt, params):
+            for event in asm.step(out.token_ids).events:
+                yield b"".join(sse_event_frames(renderer, now_id(), event, None))
+            if out.finished:
+                reason = out.finish_reason
+        for event in asm.finish(State.FINISHED, reason):
+            yield b"".join(sse_event_frames(renderer, now_id(), event, None))
+            if isinstance(event, End):
+                return
+
+    @post("/v1/chat/completions", status_code=200)
+    async def chat(request: Request[Any, Any, Any]) -> Stream:
+        body = msgspec.json.decode(await request.body())
+        return Stream(frames(body), media_type=sse.MEDIA_TYPE, headers=dict(sse.HEADERS))
+
+    return Litestar(route_handlers=[chat])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--tokens-per-s", type=float, default=20.0)
+    args = parser.parse_args()
+    app = build(ModelInfo.load(args.model_dir), args.tokens_per_s)
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
