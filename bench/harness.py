@@ -86,13 +86,14 @@ def baseline(model_dir: Path, rate: float, logs: Path) -> Iterator[str]:
 
 @contextlib.contextmanager
 def lastevent(model_dir: Path, rate: float, redis_url: str, prefix: str, logs: Path,
-              ttl_s: int) -> Iterator[str]:
+              ttl_s: int, **extra: str) -> Iterator[str]:
     port = free_port()
     env = {**os.environ, "LASTEVENT_REDIS_URL": redis_url, "LASTEVENT_MODEL_DIR": str(model_dir),
            "LASTEVENT_PORT": str(port), "LASTEVENT_KEY_PREFIX": prefix, "LASTEVENT_AUTH": "off",
            "LASTEVENT_ENGINE": "scripted", "LASTEVENT_SCRIPTED_TOKENS_PER_S": str(rate),
            "LASTEVENT_WORKER_CONCURRENCY": "2000", "LASTEVENT_HOT_LOG_TTL_S": str(ttl_s),
-           "LASTEVENT_MAX_STREAMS": "100000"}
+           "LASTEVENT_MAX_STREAMS": "100000",
+           **{f"LASTEVENT_{k.upper()}": v for k, v in extra.items()}}
     env.pop("LASTEVENT_DATABASE_URL", None)  # the stream path only, no ledger
     procs = []
     for role in ("worker", "api"):
@@ -104,9 +105,33 @@ def lastevent(model_dir: Path, rate: float, redis_url: str, prefix: str, logs: P
         client = redis.Redis.from_url(redis_url)
         while not client.hlen(f"{prefix}:workers"):
             time.sleep(0.1)
+        lastevent.api_pid = procs[1].pid  # type: ignore[attr-defined]
         yield f"http://127.0.0.1:{port}"
     finally:
         stop(procs)
+
+
+async def idle_streams(url: str, n: int, api_pid: int) -> tuple[float, float]:
+    """Open ``n`` streams that stay idle (the engine is in a long prefill); return the API
+    process's RSS before and with them open (bytes)."""
+    import psutil
+
+    api = psutil.Process(api_pid)
+    before = api.memory_info().rss
+    body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "idle"}]}
+    limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=n + 10)
+    opened = 0
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        stack = contextlib.AsyncExitStack()
+        async with stack:
+            for _ in range(n):
+                r = await stack.enter_async_context(
+                    client.stream("POST", "/v1/chat/completions", json=body))
+                assert r.status_code == 200, r.status_code
+                opened += 1
+            await asyncio.sleep(3)  # leases refreshed, tailer settled
+            during = api.memory_info().rss
+    return before, during
 
 
 @dataclass
@@ -220,6 +245,22 @@ def redis_memory(redis_url: str, prefix: str, rids: list[str]) -> tuple[float, f
     return statistics.median(per_token), statistics.median(per_stream)
 
 
+def measure_idle(args: argparse.Namespace) -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4 * args.idle + 1000)), hard))
+    redis_url = os.environ.get("LASTEVENT_REDIS_URL", "redis://127.0.0.1:6379/0")
+    logs = Path(tempfile.mkdtemp(prefix="bench-idle-"))
+    prefix = f"bench{uuid.uuid4().hex[:6]}"
+    with lastevent(args.model_dir, args.rate, redis_url, prefix, logs, 60,
+                   scripted_prefill_s="3600", worker_concurrency=str(args.idle + 10)) as url:
+        before, during = asyncio.run(idle_streams(url, args.idle, lastevent.api_pid))  # type: ignore[attr-defined]
+    per_stream = (during - before) / args.idle
+    print(f"| API RSS with {args.idle} idle streams | {during / 2**20:.0f} MiB "
+          f"(before: {before / 2**20:.0f} MiB) | {per_stream / 1024:.1f} KiB per stream |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -228,7 +269,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=100, help="answer length (about)")
     parser.add_argument("--resumes", type=int, default=10, help="streams that drop and resume")
     parser.add_argument("--model-dir", type=Path, default=REPO / ".cache/models" / MODEL)
+    parser.add_argument("--idle", type=int, default=0,
+                        help="only measure API RSS per idle stream with this many open")
     args = parser.parse_args()
+    if args.idle:
+        measure_idle(args)
+        return
     redis_url = os.environ.get("LASTEVENT_REDIS_URL", "redis://127.0.0.1:6379/0")
     text = " ".join(f"w{i}" for i in range(args.tokens // 2))  # ~2 tokens per word
     logs = Path(tempfile.mkdtemp(prefix="bench-"))
