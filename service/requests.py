@@ -45,20 +45,25 @@ class Drain:
     reconnect (elsewhere) and close, so the process can exit within its drain time."""
 
     def __init__(self) -> None:
-        self.event = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.future: asyncio.Future[None] | None = None  # one for all readers: no task each
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self.future = loop.create_future()
 
     def start(self) -> None:
         """Safe to call from a signal handler."""
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self.event.set)
+            self._loop.call_soon_threadsafe(self._set)
+
+    def _set(self) -> None:
+        if self.future is not None and not self.future.done():
+            self.future.set_result(None)
 
     @property
     def draining(self) -> bool:
-        return self.event.is_set()
+        return self.future is not None and self.future.done()
 
 
 @dataclasses.dataclass(slots=True)
@@ -210,7 +215,8 @@ async def sse_frames(
     sub = ctx.tailer.subscribe(rid, _before(cursor))
     READERS.inc()
     keepalive_s = ctx.settings.keepalive_s
-    draining = asyncio.ensure_future(ctx.drain.event.wait())
+    draining = ctx.drain.future
+    assert draining is not None
     try:
         while True:
             getting = asyncio.ensure_future(sub.queue.get())
@@ -252,7 +258,6 @@ async def sse_frames(
             if ended:
                 return
     finally:
-        draining.cancel()
         sub.close()
         READERS.dec()
         await lease.release()
