@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,39 +34,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from bench.common import free_port, stop, wait_ok
 import redis
 
 MODEL = "SmolLM2-135M-Instruct"
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_ok(url: str, procs: list[subprocess.Popen[bytes]], timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError(f"a server process exited; see logs")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=1).status_code < 500:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(url)
-
-
-def stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            p.kill()
 
 
 @contextlib.contextmanager

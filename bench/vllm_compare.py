@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+
+from bench.common import free_port, stop, wait_ok
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = [
@@ -40,35 +41,6 @@ PROMPTS = [
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise TimeoutError(url)
-
-
-def stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-
-
 @contextlib.contextmanager
 def vllm_server(model_dir: Path, log: Path) -> Iterator[str]:
     port = free_port()
@@ -78,7 +50,7 @@ def vllm_server(model_dir: Path, log: Path) -> Iterator[str]:
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, env={**os.environ, **ENGINE_ENV}, stdout=out, stderr=out)
     try:
-        wait_http(f"http://127.0.0.1:{port}/health", proc)
+        wait_ok(f"http://127.0.0.1:{port}/health", [proc])
         yield f"http://127.0.0.1:{port}"
     finally:
         stop([proc])
@@ -100,7 +72,7 @@ def lastevent_stack(model_dir: Path, redis_url: str, logs: Path) -> Iterator[str
             procs.append(subprocess.Popen([sys.executable, "-m", "service.cli", role], env=env,
                                           stdout=out, stderr=out))
     try:
-        wait_http(f"http://127.0.0.1:{port}/healthz", procs[1])
+        wait_ok(f"http://127.0.0.1:{port}/healthz", procs)
         deadline = time.monotonic() + 300
         while b"ready (engine vllm)" not in (logs / "worker.log").read_bytes():
             if procs[0].poll() is not None or time.monotonic() > deadline:
