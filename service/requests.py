@@ -217,6 +217,7 @@ async def sse_frames(
     keepalive_s = ctx.settings.keepalive_s
     draining = ctx.drain.future
     assert draining is not None
+    getting: asyncio.Future[Any] | None = None
     try:
         while True:
             getting = asyncio.ensure_future(sub.queue.get())
@@ -258,6 +259,8 @@ async def sse_frames(
             if ended:
                 return
     finally:
+        if getting is not None:
+            getting.cancel()  # the reader went away while waiting
         sub.close()
         READERS.dec()
         await lease.release()
