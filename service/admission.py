@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 
 from service.errors import ApiError, ServiceUnavailable
 from service.keys import Keys
+from service.queue import Heartbeat
 from service.settings import Settings
 
 
@@ -94,9 +95,9 @@ class Admission:
         now_ms = time.time() * 1000
         live = []
         for raw in beats.values():
-            slots, busy, ts_ms, mean_ms = (float(x) for x in raw.split())
-            if now_ms - ts_ms <= s.worker_stale_s * 1000:
-                live.append((slots, busy, mean_ms))
+            beat = Heartbeat.decode(raw)
+            if beat.fresh(now_ms, s.worker_stale_s):
+                live.append((beat.slots, beat.busy, beat.mean_service_ms))
         if not live:
             return ServiceUnavailable(
                 "no worker is available to run the request",

@@ -7,6 +7,8 @@ worker died stays pending and can be claimed by another worker.
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
@@ -23,6 +25,27 @@ class Job(msgspec.Struct, array_like=True, gc=False):
     seed: int | None = None
     stop: list[str] = []
     deadline_unix_s: float = 0.0  # 0: none
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """What a worker tells the API processes about itself, once a second (keys.workers)."""
+
+    slots: int
+    busy: int
+    unix_ms: int
+    mean_service_ms: int
+
+    def encode(self) -> str:
+        return f"{self.slots} {self.busy} {self.unix_ms} {self.mean_service_ms}"
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> Heartbeat:
+        slots, busy, unix_ms, mean = (int(float(x)) for x in raw.split())
+        return cls(slots, busy, unix_ms, mean)
+
+    def fresh(self, now_ms: float, stale_s: float) -> bool:
+        return now_ms - self.unix_ms <= stale_s * 1000
 
 
 _enc = msgspec.msgpack.Encoder()

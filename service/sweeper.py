@@ -19,9 +19,9 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from service.keys import JOB_FIELD, QUEUE_GROUP, Keys
-from service.queue import RequestQueue, decode_job
+from service.queue import Heartbeat, RequestQueue, decode_job
 from service.redis_log import LogError, RedisLog
-from service.stream.events import Delta, End, Error, State, Summary, encode_summary
+from service.stream.events import Created, Delta, End, Error, State, encode_summary, summarize
 
 log = logging.getLogger(__name__)
 
@@ -85,41 +85,25 @@ class Sweeper:
         return swept
 
     async def _alive(self, worker: bytes | str) -> bool:
-        beat = await self.redis.hget(self.keys.workers, worker)
-        if beat is None:
-            return False
-        ts_ms = float(beat.split()[2])
-        return time.time() * 1000 - ts_ms <= self.stale_s * 1000
+        raw = await self.redis.hget(self.keys.workers, worker)
+        return raw is not None and Heartbeat.decode(raw).fresh(time.time() * 1000, self.stale_s)
 
     async def _fail(self, rid: str, worker: str) -> None:
         epoch = await self.log.claim(rid, self.sweeper_id)
         if epoch is None:  # it ended after all, or expired
             return
-        first = await self.log.first_with_id(rid)
         entries = await self.log.read(rid)
+        first = entries[0] if entries and isinstance(entries[0][1], Created) else None
         completion = max((e.n for _i, e in entries if isinstance(e, Delta)), default=0)
-        created_id, created = first if first else (None, None)
-        prompt = created.prompt_tokens if created else 0
+        prompt = first[1].prompt_tokens if first else 0
         message = f"the worker running this request ({worker}) stopped responding"
         events = [
             Error(code="worker_lost", message=message),
             End(state=str(State.ERRORED), finish_reason=None, prompt_tokens=prompt,
                 completion_tokens=completion),
         ]
-        summary = Summary(
-            request_id=rid,
-            kind=created.kind if created else "",
-            model=created.model if created else "",
-            created_ms=created_id.ms if created_id else int(time.time() * 1000),
-            state=str(State.ERRORED),
-            finish_reason=None,
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            error_code="worker_lost",
-            worker_id=worker,
-            tenant=created.tenant if created else None,
-            api_key_id=created.api_key_id if created else None,
-        )
+        summary = summarize(rid, first, events[-1], now_ms=int(time.time() * 1000),  # type: ignore[arg-type]
+                            error_code="worker_lost", worker_id=worker)
         try:
             await self.log.append(rid, epoch, events, terminal_state=str(State.ERRORED),
                                   ttl_s=self.hot_log_ttl_s, summary=encode_summary(summary))

@@ -19,7 +19,7 @@ from redis.asyncio import Redis
 from service.control import ABANDONED, CANCELLED, Control
 from service.db.ledger import Ledger
 from service.keys import Keys
-from service.queue import Job, RequestQueue
+from service.queue import Heartbeat, Job, RequestQueue
 from service.redis_log import AppendBatcher, Fenced, LogError, RedisLog
 from service.settings import Settings
 from service.stream.assemble import Assembler
@@ -31,6 +31,7 @@ from service.stream.events import (
     State,
     Summary,
     encode_summary,
+    summarize,
 )
 from service.stream.ids import EventId
 from service.tokenize import ModelInfo
@@ -195,10 +196,12 @@ class Runner:
         (what the 503 "queue would wait too long" estimate is made of)."""
         while True:
             if not self._stopping.is_set():
-                beat = (f"{self.settings.worker_concurrency} {len(self._tasks)} "
-                        f"{int(time.time() * 1000)} {int(self.mean_service_ms)}")
+                beat = Heartbeat(self.settings.worker_concurrency, len(self._tasks),
+                                 int(time.time() * 1000), int(self.mean_service_ms))
                 try:
-                    await self.redis.hset(self.keys.workers, self.settings.worker_id, beat)
+                    await self.redis.hset(
+                        self.keys.workers, self.settings.worker_id, beat.encode()
+                    )
                 except Exception as exc:
                     log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(1.0)
@@ -262,25 +265,18 @@ class Runner:
         outcome: _Outcome,
         dispatched_ms: int,
     ) -> Summary:
-        created_id, created = first if first is not None else (None, None)
-        return Summary(
-            request_id=rid,
-            kind=created.kind if created else "",
-            model=created.model if created else "",
-            created_ms=created_id.ms if created_id else dispatched_ms,
-            state=end.state,
-            finish_reason=end.finish_reason,
-            prompt_tokens=end.prompt_tokens,
-            completion_tokens=end.completion_tokens,
-            wasted_tokens=end.wasted_tokens,
+        first_token_ms = None
+        if outcome.first_token_at is not None:
+            first_token_ms = int(outcome.first_token_at * 1000)
+        return summarize(
+            rid,
+            first,
+            end,
+            now_ms=dispatched_ms,
             dispatched_ms=dispatched_ms,
-            first_token_ms=None
-            if outcome.first_token_at is None
-            else int(outcome.first_token_at * 1000),
+            first_token_ms=first_token_ms,
             error_code=outcome.error_code,
             worker_id=self.settings.worker_id,
-            tenant=created.tenant if created else None,
-            api_key_id=created.api_key_id if created else None,
         )
 
     async def _wasted(self, rid: str, end: End, outcome: _Outcome) -> int:

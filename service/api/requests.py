@@ -18,7 +18,7 @@ from service.stream import archive
 from service.stream import sse
 from service.api.schemas import error_responses
 from service.auth import Principal
-from service.stream.events import Created, End, Event, FinishReason, State, Summary
+from service.stream.events import Created, End, Event, FinishReason, State, summarize
 from service.stream.ids import Cursor, EventId, InvalidEventId
 
 
@@ -137,18 +137,7 @@ class RequestsController(Controller):
             completion_tokens=0,
         )
         first = await ctx.log.first_with_id(request_id)
-        summary = Summary(
-            request_id=request_id,
-            kind=created.kind,
-            model=created.model,
-            created_ms=first[0].ms if first else int(time.time() * 1000),
-            tenant=created.tenant,
-            api_key_id=created.api_key_id,
-            state=queued_end.state,
-            finish_reason=queued_end.finish_reason,
-            prompt_tokens=created.prompt_tokens,
-            completion_tokens=0,
-        )
+        summary = summarize(request_id, first, queued_end, now_ms=int(time.time() * 1000))
         outcome = await ctx.control.cancel(
             request_id, queued_end, ctx.settings.hot_log_ttl_s, summary
         )

@@ -9,6 +9,7 @@ chat, text completions and any later API shape.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
@@ -122,6 +123,33 @@ class Summary(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     worker_id: str | None = None
     tenant: str | None = None
     api_key_id: str | None = None
+
+
+def summarize(
+    request_id: str,
+    first: tuple[Any, Created] | None,
+    end: End,
+    *,
+    now_ms: int,
+    **extra: Any,
+) -> Summary:
+    """The outbox summary of a request that ends with ``end``. ``first`` is the log's
+    (event id, Created) when it is still there; ``now_ms`` stands in for its time."""
+    created_id, created = first if first is not None else (None, None)
+    return Summary(
+        request_id=request_id,
+        kind=created.kind if created else "",
+        model=created.model if created else "",
+        created_ms=created_id.ms if created_id is not None else now_ms,
+        state=end.state,
+        finish_reason=end.finish_reason,
+        prompt_tokens=end.prompt_tokens,
+        completion_tokens=end.completion_tokens,
+        wasted_tokens=end.wasted_tokens,
+        tenant=created.tenant if created else None,
+        api_key_id=created.api_key_id if created else None,
+        **extra,
+    )
 
 
 _summary_decoder = msgspec.msgpack.Decoder(Summary)
