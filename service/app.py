@@ -15,7 +15,6 @@ from litestar import Litestar, Request, Response
 from litestar.di import Provide
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
-from redis.asyncio import Redis
 
 from service.api.admin import AdminController
 from service.api.completions import CompletionsController
@@ -28,6 +27,7 @@ from service.keys import Keys
 from service.metrics import REJECTED
 from service.queue import RequestQueue
 from service.redis_log import RedisLog
+from service.redis_pool import connect
 from service.admission import Admission
 from service.auth import KeyStore, Principal
 from service.requests import Context, Drain, authenticate
@@ -81,9 +81,9 @@ def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         if not settings.redis_url:
             raise RuntimeError("LASTEVENT_REDIS_URL is not set (use `lastevent up` for embedded)")
-        redis = Redis.from_url(settings.redis_url, max_connections=256)
+        redis = connect(settings.redis_url, max_connections=256)
         # the tailer's XREAD BLOCK outlives redis-py's default 5 s socket timeout
-        tail_redis = Redis.from_url(
+        tail_redis = connect(
             settings.redis_url, max_connections=4, socket_timeout=settings.tail_block_ms / 1000 + 5
         )
         keys = Keys(settings.key_prefix)

@@ -10,6 +10,7 @@ from redis.asyncio import Redis
 
 from service.db.ledger import Ledger, make_engine
 from service.keys import Keys
+from service.redis_pool import connect
 from service.recorder import Recorder
 from service.settings import Settings
 from service.tokenize import ModelInfo
@@ -60,7 +61,7 @@ async def serve(settings: Settings) -> None:
     model = ModelInfo.load(settings.resolved_model_dir, settings.model_name)
     engine = build_engine(settings, model)
     await engine.start()
-    redis = Redis.from_url(settings.redis_url, max_connections=64)
+    redis = connect(settings.redis_url, max_connections=64)
     db = make_engine(settings.database_url) if settings.database_url else None
     runner = Runner(settings, redis, engine, model, Ledger(db) if db else None)
     recorder = None

@@ -379,3 +379,18 @@ async def test_queue_two_consumers_no_duplicates_and_ack(redis: Redis, keys: Key
         await queue.ack(entry_id)
     assert (await redis.xpending(keys.queue, QUEUE_GROUP))["pending"] == 0
     assert await queue.depth() == 0
+
+
+async def test_pool_waits_for_a_connection_instead_of_failing(redis_url: str, key_prefix: str) -> None:
+    """A burst larger than the pool (the worker claiming 64 jobs on 64 connections while
+    appends and heartbeats need some too) queues on the pool; none of it fails."""
+    from service.redis_pool import connect
+
+    client = connect(redis_url, max_connections=2)
+    try:
+        key = f"{key_prefix}:empty-list"
+        # each BLPOP holds its connection 50 ms: 8 of them need 4 rounds of the 2 connections
+        results = await asyncio.gather(*(client.blpop([key], timeout=0.05) for _ in range(8)))
+        assert results == [None] * 8
+    finally:
+        await client.aclose()
