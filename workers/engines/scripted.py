@@ -44,6 +44,7 @@ class ScriptedEngine:
         self._prefill_s = prefill_s
         self._aborted: set[str] = set()
         self._abort_events: dict[str, asyncio.Event] = {}
+        self._sleeps: dict[str, asyncio.Future[None]] = {}  # a step's wait, cut short by abort
         self.running: set[str] = set()  # request ids inside generate (tests look)
 
     async def start(self) -> None:
@@ -80,6 +81,7 @@ class ScriptedEngine:
             self.running.discard(request_id)
             self._aborted.discard(request_id)
             self._abort_events.pop(request_id, None)
+            self._sleeps.pop(request_id, None)
 
     async def _steps(
         self, request_id: str, script: list[int], eos: list[int], max_tokens: int
@@ -98,7 +100,10 @@ class ScriptedEngine:
             next_at += self._interval_s
             delay = next_at - time.monotonic()
             if delay > 0:
-                await asyncio.sleep(delay)
+                await self._sleep(request_id, delay)
+                if request_id in self._aborted:  # the abort lands now, not after the step
+                    yield StepOutput([], finished=True, finish_reason="abort")
+                    return
             produced += 1
             is_eos = produced == len(script) + len(eos)
             if is_eos:
@@ -109,9 +114,27 @@ class ScriptedEngine:
                 return
             yield StepOutput([token_id])
 
+    async def _sleep(self, request_id: str, delay: float) -> None:
+        """``asyncio.sleep`` that ``abort`` wakes early (a future, not a task per step)."""
+        loop = asyncio.get_running_loop()
+        self._sleeps[request_id] = wake = loop.create_future()
+        timer = loop.call_later(delay, _resolve, wake)
+        try:
+            await wake
+        finally:
+            timer.cancel()
+
     async def abort(self, request_id: str) -> None:
         if request_id in self.running:
             self._aborted.add(request_id)
+            sleeping = self._sleeps.get(request_id)
+            if sleeping is not None:
+                _resolve(sleeping)
             event = self._abort_events.get(request_id)
             if event is not None:
                 event.set()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
