@@ -64,7 +64,7 @@ class Control:
     async def cancel(
         self, rid: str, queued_end: ev.End, ttl_s: int, queued_summary: ev.Summary
     ) -> CancelOutcome:
-        keys = [self.keys.meta(rid), self.keys.log(rid), self.keys.outbox]
+        keys = [self.keys.meta(rid), self.keys.log(rid), self.keys.outbox, self.keys.scratch(rid)]
         args = [ev.encode(queued_end), ttl_s, ev.encode_summary(queued_summary)]
         raw = await self._cancel(keys=keys, args=args)
         parts = [p.decode() if isinstance(p, bytes) else str(p) for p in raw]

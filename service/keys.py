@@ -41,6 +41,10 @@ class Keys:
         consumer group ``recorders``)."""
         return f"{self.prefix}:outbox"
 
+    def scratch(self, request_id: str) -> str:
+        """Where a terminal script copies the finished log to right-size it (never left set)."""
+        return f"{self.prefix}:{{{request_id}}}:scratch"
+
     def readers(self, request_id: str) -> str:
         """The request's reader leases: a sorted set of reader tokens scored by expiry (ms)."""
         return f"{self.prefix}:{{{request_id}}}:readers"

@@ -130,6 +130,7 @@ class RedisLog:
             self.keys.log(request_id),
             self.keys.readers(request_id),
             self.keys.outbox,
+            self.keys.scratch(request_id),
         ]
         args: list[bytes | str | int] = [str(epoch), terminal_state, ttl_s, summary]
         args.extend(ev.encode(e) for e in events)

@@ -1,5 +1,6 @@
 -- Fenced append: XADD events only if the caller still owns the request.
--- KEYS[1] meta, KEYS[2] log, KEYS[3] readers (dropped at the terminal event), KEYS[4] outbox
+-- KEYS[1] meta, KEYS[2] log, KEYS[3] readers (dropped at the terminal event), KEYS[4] outbox,
+-- KEYS[5] scratch (the finished log is copied there and renamed back: see below)
 -- ARGV[1] owner epoch, ARGV[2] terminal state ('' if not terminal),
 -- ARGV[3] TTL in seconds applied to both keys when terminal,
 -- ARGV[4] encoded Summary for the outbox ('' if not terminal), ARGV[5..] encoded events
@@ -22,6 +23,11 @@ if #ids > 0 then
 end
 if ARGV[2] ~= '' then
   redis.call('DEL', KEYS[3])
+  -- Right-size the finished log: Redis preallocates a stream node's listpack to
+  -- stream-node-max-bytes (4 KiB by default) and never shrinks the last node, which
+  -- for a short answer is most of its memory; a copy is allocated to fit.
+  redis.call('COPY', KEYS[2], KEYS[5], 'REPLACE')
+  redis.call('RENAME', KEYS[5], KEYS[2])
   redis.call('HSET', KEYS[1], 'state', ARGV[2])
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   redis.call('EXPIRE', KEYS[2], ARGV[3])

@@ -1,5 +1,6 @@
 -- Cancel a request, in any phase.
--- KEYS[1] meta, KEYS[2] log, KEYS[3] outbox; ARGV[1] encoded End(cancelled) for a request
+-- KEYS[1] meta, KEYS[2] log, KEYS[3] outbox, KEYS[4] scratch (right-sizes the log, as
+-- append.lua does); ARGV[1] encoded End(cancelled) for a request
 -- still queued, ARGV[2] TTL in seconds after the terminal event, ARGV[3] its encoded Summary
 -- Returns {outcome, detail}: {'missing'}; {<terminal state>} (no-op);
 -- {'cancelled', <end id>} (it was queued: ended here, no engine will see it);
@@ -13,6 +14,8 @@ end
 if state == 'queued' and m[2] == '0' then
   local id = redis.call('XADD', KEYS[2], '*', 'e', ARGV[1])
   redis.call('HSET', KEYS[1], 'state', 'cancelled', 'last', id, 'cancel', 1)
+  redis.call('COPY', KEYS[2], KEYS[4], 'REPLACE')
+  redis.call('RENAME', KEYS[4], KEYS[2])
   redis.call('EXPIRE', KEYS[1], ARGV[2])
   redis.call('EXPIRE', KEYS[2], ARGV[2])
   redis.call('XADD', KEYS[3], '*', 's', ARGV[3], 'i', id)

@@ -146,6 +146,36 @@ async def test_fencing_takeover_and_terminal(rlog: RedisLog, redis: Redis, keys:
 # -- AppendBatcher ----------------------------------------------------------------------
 
 
+async def test_terminal_append_right_sizes_the_log(
+    rlog: RedisLog, redis: Redis, keys: Keys
+) -> None:
+    """A stream node's listpack is preallocated to 4 KiB and the last one never shrinks:
+    a 100-token answer would keep ~47 B per entry for its whole TTL. The terminal append
+    copies the log into a fitting allocation: <= 40 B per stored token (issue 7's target),
+    same entries, same ids, TTL set, a reader blocked on the key still woken."""
+    request_id, epoch = await new_request(rlog)
+    for i in range(98):  # one token per step, the shape of a bench answer: 100 entries in all
+        await rlog.append(request_id, epoch, [ev.Delta(text=f" w{i}", token_ids=[12345], n=i + 1)])
+    before = await redis.memory_usage(keys.log(request_id), samples=0)
+    entries_before = await rlog.read(request_id)
+    tailer = LogTailer(redis, keys, block_ms=2000)
+    await tailer.start()
+    try:
+        sub = tailer.subscribe(request_id, entries_before[-1][0])
+        await asyncio.sleep(0.1)  # the tailer is blocked on the log now
+        await rlog.append(request_id, epoch, [END], terminal_state="finished", ttl_s=60)
+        woken = await collect(sub, 1)
+    finally:
+        await tailer.stop()
+    after = await redis.memory_usage(keys.log(request_id), samples=0)
+    entries = await rlog.read(request_id)
+    assert entries[:-1] == entries_before and entries[-1][1] == END
+    assert [e for _, e in woken] == [END]
+    assert after / 98 <= 40 < before / 98
+    assert 0 < await redis.ttl(keys.log(request_id)) <= 60
+    assert not await redis.exists(keys.scratch(request_id))
+
+
 async def test_batcher_one_round_trip_per_step(rlog: RedisLog, batcher: AppendBatcher):
     requests = [await new_request(rlog) for _ in range(20)]
     fenced_id = requests[7][0]
