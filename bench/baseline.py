@@ -5,6 +5,8 @@ writes each step's text to the client as it comes. It uses the same tokenizer,
 detokenizer, holdback and chunk rendering as lastevent, so the difference measured
 is the event log (queue, Redis appends, multiplexed tail), nothing else. Each SSE
 event's id carries its emit time (``<unix ms>-0``), as lastevent's entry ids do.
+Its only way to stop a request is the client disconnecting (as with vLLM's server);
+``GET /aborts`` tells when each disconnect reached the engine.
 
     python -m bench.baseline --port 8100 --model-dir DIR --tokens-per-s 20
 """
@@ -19,7 +21,7 @@ from typing import Any
 
 import msgspec
 import uvicorn
-from litestar import Litestar, Request, post
+from litestar import Litestar, Request, get, post
 from litestar.response import Stream
 
 from service.stream import sse
@@ -35,6 +37,7 @@ from workers.engines.scripted import ScriptedEngine
 def build(model: ModelInfo, tokens_per_s: float) -> Litestar:
     engine = ScriptedEngine(model, tokens_per_s=tokens_per_s)
     counter = iter(range(10**12))
+    aborts: dict[str, float] = {}  # request id -> when the engine's generator was closed early
 
     async def frames(body: dict[str, Any]) -> AsyncIterator[bytes]:
         rid = f"chatcmpl-base{next(counter)}"
@@ -54,11 +57,17 @@ def build(model: ModelInfo, tokens_per_s: float) -> Litestar:
         params = SamplingParams(max_tokens=int(body.get("max_tokens") or 256),
                                 stop_token_ids=model.eos_token_ids)
         reason = None
-        async for out in engine.generate(rid, prompt, params):
-            for event in asm.step(out.token_ids).events:
-                yield b"".join(sse_event_frames(renderer, now_id(), event, None))
-            if out.finished:
-                reason = out.finish_reason
+        gen = engine.generate(rid, prompt, params)
+        try:  # a client that disconnects closes this generator: that is the baseline's abort
+            async for out in gen:
+                for event in asm.step(out.token_ids).events:
+                    yield b"".join(sse_event_frames(renderer, now_id(), event, None))
+                if out.finished:
+                    reason = out.finish_reason
+        except BaseException:
+            await gen.aclose()
+            aborts[rid] = time.time()
+            raise
         for event in asm.finish(State.FINISHED, reason):
             yield b"".join(sse_event_frames(renderer, now_id(), event, None))
             if isinstance(event, End):
@@ -69,7 +78,11 @@ def build(model: ModelInfo, tokens_per_s: float) -> Litestar:
         body = msgspec.json.decode(await request.body())
         return Stream(frames(body), media_type=sse.MEDIA_TYPE, headers=dict(sse.HEADERS))
 
-    return Litestar(route_handlers=[chat])
+    @get("/aborts")
+    async def aborted() -> dict[str, float]:
+        return aborts
+
+    return Litestar(route_handlers=[chat, aborted])
 
 
 def main() -> None:
