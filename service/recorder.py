@@ -129,7 +129,7 @@ class Recorder:
         raw = await self.redis.xrange(self.keys.log(summary.request_id))
         packed = None
         if raw:
-            entries = [(EventId.parse(i.decode()), f[EVENT_FIELD]) for i, f in raw]
+            entries = [(EventId.from_redis(i), f[EVENT_FIELD]) for i, f in raw]
             blob, raw_size = archive.pack(entries)
             packed = (blob, len(entries), raw_size)
         else:

@@ -42,8 +42,7 @@ def _script(name: str) -> str:
     return resources.files("service").joinpath("lua", name).read_text()
 
 
-def _decode_id(raw: bytes | str) -> EventId:
-    return EventId.parse(raw.decode() if isinstance(raw, bytes) else raw)
+_decode_id = EventId.from_redis
 
 
 def _entries(raw: Sequence[tuple[bytes, dict[bytes, bytes]]]) -> list[tuple[EventId, ev.Event]]:

@@ -31,7 +31,7 @@ from service.stream.render import (
     sse_event_frames,
     usage,
 )
-from service.tail import LogTailer
+from service.tail import Interrupted, LogTailer
 from service.tokenize import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -212,25 +212,21 @@ async def sse_frames(
     if lease is None:
         lease = await ctx.presence.acquire(rid)
     lease.adopted = True
-    sub = ctx.tailer.subscribe(rid, _before(cursor))
+    sub = ctx.tailer.subscribe(rid, _before(cursor), interruptible=True)
     READERS.inc()
     keepalive_s = ctx.settings.keepalive_s
-    draining = ctx.drain.future
-    assert draining is not None
-    getting: asyncio.Future[Any] | None = None
     try:
         while True:
-            getting = asyncio.ensure_future(sub.queue.get())
-            done, _ = await asyncio.wait({getting, draining}, timeout=keepalive_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if getting not in done:
-                getting.cancel()
-                if draining in done:  # shutting down: reconnect (elsewhere) with Last-Event-ID
-                    yield sse.retry(ctx.settings.reconnect_hint_ms)
-                    return
+            # one timer per wait, no task: this loop runs once per event per reader
+            try:
+                async with asyncio.timeout(keepalive_s):
+                    batch = await sub.queue.get()
+            except TimeoutError:
                 yield sse.KEEPALIVE
                 continue
-            batch = getting.result()
+            if isinstance(batch, Interrupted):  # shutting down: reconnect elsewhere
+                yield sse.retry(ctx.settings.reconnect_hint_ms)
+                return
             if isinstance(batch, BaseException):
                 raise batch
             if sub.queue.qsize() >= ctx.settings.coalesce_backlog:
@@ -259,8 +255,6 @@ async def sse_frames(
             if ended:
                 return
     finally:
-        if getting is not None:
-            getting.cancel()  # the reader went away while waiting
         sub.close()
         READERS.dec()
         await lease.release()

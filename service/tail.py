@@ -21,6 +21,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -35,13 +36,20 @@ Batch = list[tuple[EventId, ev.Event]]
 _START = EventId(0, 0)
 
 
+class Interrupted(Exception):
+    """Put in every interruptible subscription's queue when the process starts draining."""
+
+
 class Subscription:
     """One reader's view of one log: an async iterator of event batches."""
 
-    def __init__(self, tailer: LogTailer, request_id: str, after: EventId | None) -> None:
+    def __init__(
+        self, tailer: LogTailer, request_id: str, after: EventId | None, interruptible: bool
+    ) -> None:
         self.tailer = tailer
         self.request_id = request_id
         self.position = after or _START
+        self.interruptible = interruptible
         self.queue: asyncio.Queue[Batch | BaseException] = asyncio.Queue()
 
     async def batches(self) -> AsyncIterator[Batch]:
@@ -66,6 +74,10 @@ class LogTailer:
         self, redis: Redis, keys: Keys, *, block_ms: int = 5000, count: int = 512
     ) -> None:
         self._redis = redis
+        # the same pool, but XREAD replies left as Redis sent them: redis-py's reply
+        # parsing (a dict per entry) cost more than the read itself with 500 streams
+        self._reader = Redis(connection_pool=redis.connection_pool)
+        self._reader.set_response_callback("XREAD", _raw_reply)
         self._keys = keys
         self._block_ms = block_ms
         self._count = count
@@ -73,7 +85,9 @@ class LogTailer:
         self._wake_last = b"0-0"
         self._wake_pending = False
         self._subs: dict[str, set[Subscription]] = {}
+        self._positions: dict[str, bytes] = {}  # log key -> id to read after (its slowest reader)
         self._task: asyncio.Task[None] | None = None
+        self._interrupted: Interrupted | None = None
         self.reads = 0  # XREAD calls made (tests, metrics)
 
     @property
@@ -90,11 +104,27 @@ class LogTailer:
         with contextlib.suppress(RedisError):
             await self._redis.delete(self._wake_key)
 
-    def subscribe(self, request_id: str, after: EventId | None = None) -> Subscription:
-        sub = Subscription(self, request_id, after)
-        self._subs.setdefault(self._keys.log(request_id), set()).add(sub)
+    def subscribe(
+        self, request_id: str, after: EventId | None = None, *, interruptible: bool = False
+    ) -> Subscription:
+        """Follow ``request_id``'s log after ``after``. An ``interruptible`` subscription
+        gets ``Interrupted`` in its queue when ``interrupt`` is called (process draining)."""
+        sub = Subscription(self, request_id, after, interruptible)
+        if interruptible and self._interrupted is not None:
+            sub.queue.put_nowait(self._interrupted)
+        key = self._keys.log(request_id)
+        self._subs.setdefault(key, set()).add(sub)
+        self._reposition(key)
         self._wake()
         return sub
+
+    def interrupt(self) -> None:
+        """Wake every interruptible reader with ``Interrupted`` (now and from now on)."""
+        self._interrupted = Interrupted("draining")
+        for subs in self._subs.values():
+            for sub in subs:
+                if sub.interruptible:
+                    sub.queue.put_nowait(self._interrupted)
 
     def unsubscribe(self, sub: Subscription) -> None:
         key = self._keys.log(sub.request_id)
@@ -103,6 +133,14 @@ class LogTailer:
             subs.discard(sub)
             if not subs:
                 del self._subs[key]
+            self._reposition(key)
+
+    def _reposition(self, key: str) -> None:
+        subs = self._subs.get(key)
+        if subs:
+            self._positions[key] = str(min(s.position for s in subs)).encode()
+        else:
+            self._positions.pop(key, None)
 
     def _wake(self) -> None:
         if self._wake_pending:
@@ -122,10 +160,8 @@ class LogTailer:
             self._wake_pending = False
 
     def _streams(self) -> dict[str, bytes]:
-        streams: dict[str, bytes] = {self._wake_key: self._wake_last}
-        for key, subs in self._subs.items():
-            position = min(s.position for s in subs)
-            streams[key] = str(position).encode()
+        streams = dict(self._positions)  # a snapshot: dispatch needs what this read asked for
+        streams[self._wake_key] = self._wake_last
         return streams
 
     async def _run(self) -> None:
@@ -133,7 +169,7 @@ class LogTailer:
         while True:
             streams = self._streams()
             try:
-                reply = await self._redis.xread(streams, count=self._count, block=self._block_ms)
+                reply = await self._reader.xread(streams, count=self._count, block=self._block_ms)
                 backoff = 0.05
             except RedisError as exc:
                 log.warning("log tail read failed (retrying in %.2fs): %s", backoff, exc)
@@ -141,25 +177,39 @@ class LogTailer:
                 backoff = min(backoff * 2, 2.0)
                 continue
             self.reads += 1
-            for raw_key, entries in reply or []:
+            if isinstance(reply, dict):  # RESP3
+                reply = list(reply.items())
+            for raw_key, entries in reply or ():
                 key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
                 self._dispatch(key, entries, streams[key])
 
-    def _dispatch(
-        self, key: str, entries: list[tuple[bytes, dict[bytes, bytes]]], read_from: bytes
-    ) -> None:
+    def _dispatch(self, key: str, entries: list[list[Any]], read_from: bytes) -> None:
+        """``entries``: ``[[id, [field, value, ...]], ...]`` as Redis sent them."""
         if key == self._wake_key:
             self._wake_last = entries[-1][0]
             return
         subs = self._subs.get(key)
         if not subs:
             return
-        start = EventId.parse(read_from.decode())
-        batch = [
-            (EventId.parse(eid.decode()), ev.decode(fields[EVENT_FIELD])) for eid, fields in entries
-        ]
+        start = EventId.from_redis(read_from)
+        batch = [(EventId.from_redis(eid), ev.decode(_field(fields))) for eid, fields in entries]
         for sub in list(subs):
             # A reader that subscribed (further back) while this read was in flight would
             # see a gap; it gets these entries from the next read, which starts at its position.
             if sub.position >= start:
                 sub._offer(batch)
+        self._reposition(key)
+
+
+def _raw_reply(response: Any, **_options: Any) -> Any:
+    return response
+
+
+def _field(fields: list[bytes] | dict[bytes, bytes]) -> bytes:
+    """The event payload of an entry's field list (RESP2) or map (RESP3)."""
+    if isinstance(fields, dict):
+        return fields[EVENT_FIELD]
+    for i in range(0, len(fields) - 1, 2):
+        if fields[i] == EVENT_FIELD:
+            return fields[i + 1]
+    raise KeyError(EVENT_FIELD)

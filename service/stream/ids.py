@@ -35,6 +35,13 @@ class EventId:
         return f"{self.ms}-{self.seq}"
 
     @classmethod
+    def from_redis(cls, raw: bytes | str) -> EventId:
+        """An entry id as Redis returns it (trusted: no validation, ~10x faster than
+        ``parse``, which is for ids that come from clients)."""
+        ms, _, seq = raw.partition(b"-" if isinstance(raw, bytes) else "-")
+        return cls(int(ms), int(seq))
+
+    @classmethod
     def parse(cls, raw: str | bytes) -> EventId:
         cursor = Cursor.parse(raw)
         if cursor.frame is not None:

@@ -48,3 +48,9 @@ def test_frame_ids_and_skip() -> None:
     assert frames_to_skip(ids[1], e) == 2
     assert frames_to_skip(ids[2], e) is None
     assert frames_to_skip(Cursor(EventId(6, 0)), e) is None
+
+
+@given(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1))
+def test_from_redis_agrees_with_parse(ms: int, seq: int) -> None:
+    raw = f"{ms}-{seq}"
+    assert EventId.from_redis(raw.encode()) == EventId.from_redis(raw) == EventId.parse(raw)
