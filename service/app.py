@@ -84,11 +84,15 @@ def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
         redis = connect(settings.redis_url, max_connections=256)
         # the tailer's XREAD BLOCK outlives redis-py's default 5 s socket timeout
         tail_redis = connect(
-            settings.redis_url, max_connections=4, socket_timeout=settings.tail_block_ms / 1000 + 5
+            settings.redis_url, max_connections=64, socket_timeout=settings.tail_block_ms / 1000 + 5
         )
         keys = Keys(settings.key_prefix)
         tailer = LogTailer(
-            tail_redis, keys, block_ms=settings.tail_block_ms, count=settings.tail_count
+            tail_redis,
+            keys,
+            block_ms=settings.tail_block_ms,
+            count=settings.tail_count,
+            shard_size=settings.tail_shard_size,
         )
         engine = make_engine(settings.database_url) if settings.database_url else None
         control = Control(redis, keys)

@@ -60,6 +60,7 @@ class Settings:
     hot_log_ttl_s: int = 3600  # the log stays in Redis this long after its terminal event
     tail_block_ms: int = 5000  # the multiplexed XREAD BLOCK timeout
     tail_count: int = 512  # XREAD COUNT per stream per call
+    tail_shard_size: int = 1000  # logs per multiplexed XREAD (one Redis connection each)
     keepalive_s: float = 15.0  # `: ping` comment after this long without an event
     coalesce_backlog: int = 4  # a reader this many batches behind gets deltas merged
 

@@ -1,12 +1,12 @@
-"""Multiplexed log tailing: one ``XREAD BLOCK`` per API process for all its readers.
+"""Multiplexed log tailing: one ``XREAD BLOCK`` per shard of up to 1,000 followed logs.
 
 Every connected reader (an SSE client, a waiting non-streaming client) subscribes
-to one request's log from a position. One task runs ``XREAD BLOCK`` over all the
-logs followed by this process and fans the entries out to the subscribers'
-queues. Redis connections stay O(1) per process instead of O(clients).
+to one request's log from a position. One task per shard runs ``XREAD BLOCK`` over
+all the logs the shard follows and fans the entries out to the subscribers'
+queues. Redis connections stay O(streams / shard size) per process, not O(clients).
 
 A new subscription must not wait for the current ``XREAD BLOCK`` to time out, so
-each process also reads its own small *wake* stream; subscribing XADDs to it,
+each shard also reads its own small *wake* stream; subscribing XADDs to it,
 which returns the blocked call at once.
 
 Redis Cluster: a multi-key ``XREAD`` needs all keys in one slot, and per-request
@@ -70,8 +70,21 @@ class Subscription:
 
 
 class LogTailer:
+    """All of an API process's readers, over shards of at most ``shard_size`` logs.
+
+    Each shard is one ``XREAD BLOCK`` naming every log it follows, so a read costs
+    O(logs in the shard); a new reader wakes only its shard. With one shard, opening
+    the 10,000th idle stream re-issued a 10,000-key read (quadratic in all).
+    """
+
     def __init__(
-        self, redis: Redis, keys: Keys, *, block_ms: int = 5000, count: int = 512
+        self,
+        redis: Redis,
+        keys: Keys,
+        *,
+        block_ms: int = 5000,
+        count: int = 512,
+        shard_size: int = 1000,
     ) -> None:
         self._redis = redis
         # the same pool, but XREAD replies left as Redis sent them: redis-py's reply
@@ -81,28 +94,29 @@ class LogTailer:
         self._keys = keys
         self._block_ms = block_ms
         self._count = count
-        self._wake_key = keys.wake(uuid.uuid4().hex)
-        self._wake_last = b"0-0"
-        self._wake_pending = False
-        self._subs: dict[str, set[Subscription]] = {}
-        self._positions: dict[str, bytes] = {}  # log key -> id to read after (its slowest reader)
-        self._task: asyncio.Task[None] | None = None
+        self._shard_size = shard_size
+        self._shards: list[_Shard] = []
+        self._shard_of: dict[str, _Shard] = {}  # log key -> the shard following it
         self._interrupted: Interrupted | None = None
-        self.reads = 0  # XREAD calls made (tests, metrics)
+
+    @property
+    def reads(self) -> int:
+        """XREAD calls made (tests, metrics)."""
+        return sum(s.reads for s in self._shards)
 
     @property
     def subscriptions(self) -> int:
-        return sum(len(s) for s in self._subs.values())
+        return sum(len(subs) for s in self._shards for subs in s.subs.values())
+
+    @property
+    def shards(self) -> int:
+        return len(self._shards)
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="log-tailer")
+        """Shards start with their first reader."""
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        with contextlib.suppress(RedisError):
-            await self._redis.delete(self._wake_key)
+        await asyncio.gather(*(s.stop() for s in self._shards))
 
     def subscribe(
         self, request_id: str, after: EventId | None = None, *, interruptible: bool = False
@@ -113,30 +127,71 @@ class LogTailer:
         if interruptible and self._interrupted is not None:
             sub.queue.put_nowait(self._interrupted)
         key = self._keys.log(request_id)
-        self._subs.setdefault(key, set()).add(sub)
-        self._reposition(key)
-        self._wake()
+        shard = self._shard_of.get(key)
+        if shard is None:
+            shard = next((s for s in self._shards if len(s.subs) < self._shard_size), None)
+            if shard is None:
+                shard = _Shard(self._redis, self._reader, self._keys, self._block_ms, self._count)
+                self._shards.append(shard)
+            self._shard_of[key] = shard
+        shard.add(key, sub)
         return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        key = self._keys.log(sub.request_id)
+        shard = self._shard_of.get(key)
+        if shard is not None and not shard.remove(key, sub):
+            del self._shard_of[key]
 
     def interrupt(self) -> None:
         """Wake every interruptible reader with ``Interrupted`` (now and from now on)."""
         self._interrupted = Interrupted("draining")
-        for subs in self._subs.values():
-            for sub in subs:
-                if sub.interruptible:
-                    sub.queue.put_nowait(self._interrupted)
+        for shard in self._shards:
+            for subs in shard.subs.values():
+                for sub in subs:
+                    if sub.interruptible:
+                        sub.queue.put_nowait(self._interrupted)
 
-    def unsubscribe(self, sub: Subscription) -> None:
-        key = self._keys.log(sub.request_id)
-        subs = self._subs.get(key)
+
+class _Shard:
+    """One ``XREAD BLOCK`` loop over a set of logs, woken through its own wake stream."""
+
+    def __init__(self, redis: Redis, reader: Redis, keys: Keys, block_ms: int, count: int) -> None:
+        self._redis = redis
+        self._reader = reader
+        self._block_ms = block_ms
+        self._count = count
+        self._wake_key = keys.wake(uuid.uuid4().hex)
+        self._wake_last = b"0-0"
+        self._wake_pending = False
+        self.subs: dict[str, set[Subscription]] = {}
+        self._positions: dict[str, bytes] = {}  # log key -> id to read after (its slowest reader)
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="log-tailer")
+        self.reads = 0
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        with contextlib.suppress(RedisError):
+            await self._redis.delete(self._wake_key)
+
+    def add(self, key: str, sub: Subscription) -> None:
+        self.subs.setdefault(key, set()).add(sub)
+        self._reposition(key)
+        self._wake()
+
+    def remove(self, key: str, sub: Subscription) -> bool:
+        """Drop ``sub``; False when nobody here follows ``key`` any more."""
+        subs = self.subs.get(key)
         if subs is not None:
             subs.discard(sub)
             if not subs:
-                del self._subs[key]
-            self._reposition(key)
+                del self.subs[key]
+        self._reposition(key)
+        return key in self.subs
 
     def _reposition(self, key: str) -> None:
-        subs = self._subs.get(key)
+        subs = self.subs.get(key)
         if subs:
             self._positions[key] = str(min(s.position for s in subs)).encode()
         else:
@@ -188,7 +243,7 @@ class LogTailer:
         if key == self._wake_key:
             self._wake_last = entries[-1][0]
             return
-        subs = self._subs.get(key)
+        subs = self.subs.get(key)
         if not subs:
             return
         start = EventId.from_redis(read_from)

@@ -315,6 +315,36 @@ async def test_tailer_multiplexes_many_readers(
     assert got[0][1] == created()
 
 
+async def test_tailer_shards_logs_and_reuses_room(
+    rlog: RedisLog, batcher: AppendBatcher, tail_client: tuple[Redis, str], keys: Keys
+):
+    """Shards of at most ``shard_size`` logs (a read names only its shard's logs);
+    two readers of one log share its shard; a freed place is taken again."""
+    tailer = LogTailer(tail_client[0], keys, block_ms=10_000, shard_size=7)
+    await tailer.start()
+    try:
+        requests = [await new_request(rlog) for _ in range(20)]
+        subs = [tailer.subscribe(r) for r, _ in requests]
+        twin = tailer.subscribe(requests[0][0])
+        assert tailer.shards == 3 and tailer.subscriptions == 21
+        for r, e in requests:
+            await batcher.append(r, e, [delta(1)])
+            await batcher.append(r, e, [END], terminal_state="finished", ttl_s=60)
+        got = await asyncio.wait_for(asyncio.gather(*(collect(s, 3) for s in [*subs, twin])), 5)
+        for (r, _), events in zip([*requests, requests[0]], got, strict=True):
+            assert events == await rlog.read(r)
+        for sub in [*subs, twin]:
+            sub.close()
+        assert tailer.subscriptions == 0
+        again = [await new_request(rlog) for _ in range(7)]
+        fresh = [tailer.subscribe(r) for r, _ in again]
+        assert tailer.shards == 3  # the empty shards took them
+        firsts = await asyncio.wait_for(asyncio.gather(*(collect(s, 1) for s in fresh)), 5)
+        assert all(b[0][1] == created() for b in firsts)
+    finally:
+        await tailer.stop()
+
+
 def resp(*parts: bytes) -> bytes:
     return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
 
