@@ -8,10 +8,12 @@ load only those.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Any
 
+from jinja2 import Template
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -49,16 +51,21 @@ class ModelInfo:
         )
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        template = env.from_string(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=True)
+        return _compiled(self.chat_template).render(messages=messages, add_generation_prompt=True)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(chat_template: str) -> Template:
+    """Compiling the template cost more than the rest of the submit path: once per template."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise
+    return env.from_string(chat_template)
 
 
 def _hf_meta(model_dir: Path) -> dict[str, Any]:
