@@ -93,6 +93,7 @@ def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
             block_ms=settings.tail_block_ms,
             count=settings.tail_count,
             shard_size=settings.tail_shard_size,
+            keepalive_s=settings.keepalive_s,
         )
         engine = make_engine(settings.database_url) if settings.database_url else None
         control = Control(redis, keys)

@@ -31,7 +31,7 @@ from service.stream.render import (
     sse_event_frames,
     usage,
 )
-from service.tail import Interrupted, LogTailer
+from service.tail import IDLE, Interrupted, LogTailer
 from service.tokenize import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -214,14 +214,10 @@ async def sse_frames(
     lease.adopted = True
     sub = ctx.tailer.subscribe(rid, _before(cursor), interruptible=True)
     READERS.inc()
-    keepalive_s = ctx.settings.keepalive_s
     try:
         while True:
-            # one timer per wait, no task: this loop runs once per event per reader
-            try:
-                async with asyncio.timeout(keepalive_s):
-                    batch = await sub.queue.get()
-            except TimeoutError:
+            batch = await sub.queue.get()  # no timer per wait: the tailer's ticker sends IDLE
+            if batch is IDLE:
                 yield sse.KEEPALIVE
                 continue
             if isinstance(batch, Interrupted):  # shutting down: reconnect elsewhere
@@ -234,8 +230,11 @@ async def sse_frames(
                 # waiting and send runs of deltas as one event each
                 while not sub.queue.empty():
                     more = sub.queue.get_nowait()
-                    if isinstance(more, BaseException):
-                        raise more
+                    if more is IDLE:
+                        continue
+                    if isinstance(more, BaseException):  # send what we have first
+                        sub.queue.unget(more)
+                        break
                     batch = batch + more
                 batch = coalesce(batch)
             out: list[bytes] = []

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -40,21 +41,35 @@ class Interrupted(Exception):
     """Put in every interruptible subscription's queue when the process starts draining."""
 
 
+class Idle(Exception):
+    """Put in an interruptible subscription's queue when nothing came for ``keepalive_s``
+    (its reader sends a keepalive). One ticker for all readers: no timer per wait."""
+
+
+IDLE = Idle()
+
+
 class Mailbox:
     """An unbounded queue for one consumer: what ``asyncio.Queue`` does for a reader,
     without its four deques (~1.8 KiB per open stream, measured with tracemalloc)."""
 
-    __slots__ = ("_items", "_waiter")
+    __slots__ = ("_items", "_waiter", "last_put")
 
     def __init__(self) -> None:
         self._items: list[Batch | BaseException] = []
         self._waiter: asyncio.Future[None] | None = None
+        self.last_put = time.monotonic()
 
     def put_nowait(self, item: Batch | BaseException) -> None:
         self._items.append(item)
+        self.last_put = time.monotonic()
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def unget(self, item: Batch | BaseException) -> None:
+        """Put ``item`` back in front (a reader that took more than it could use)."""
+        self._items.insert(0, item)
 
     def qsize(self) -> int:
         return len(self._items)
@@ -122,6 +137,7 @@ class LogTailer:
         block_ms: int = 5000,
         count: int = 512,
         shard_size: int = 1000,
+        keepalive_s: float | None = None,
     ) -> None:
         self._redis = redis
         # the same pool, but XREAD replies left as Redis sent them: redis-py's reply
@@ -135,6 +151,8 @@ class LogTailer:
         self._shards: list[_Shard] = []
         self._shard_of: dict[str, _Shard] = {}  # log key -> the shard following it
         self._interrupted: Interrupted | None = None
+        self._keepalive_s = keepalive_s
+        self._ticker: asyncio.Task[None] | None = None
 
     @property
     def reads(self) -> int:
@@ -150,10 +168,27 @@ class LogTailer:
         return len(self._shards)
 
     async def start(self) -> None:
-        """Shards start with their first reader."""
+        """Shards start with their first reader; the keepalive ticker starts now."""
+        if self._keepalive_s:
+            self._ticker = asyncio.create_task(self._tick(self._keepalive_s), name="keepalive")
 
     async def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)
         await asyncio.gather(*(s.stop() for s in self._shards))
+
+    async def _tick(self, every_s: float) -> None:
+        """``IDLE`` to each interruptible reader that got nothing for ``every_s``
+        (checked every quarter of it: a keepalive is late by at most that)."""
+        while True:
+            await asyncio.sleep(every_s / 4)
+            due = time.monotonic() - every_s
+            for shard in self._shards:
+                for subs in shard.subs.values():
+                    for sub in subs:
+                        if sub.interruptible and sub.queue.last_put <= due:
+                            sub.queue.put_nowait(IDLE)
 
     def subscribe(
         self, request_id: str, after: EventId | None = None, *, interruptible: bool = False

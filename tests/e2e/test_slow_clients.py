@@ -1,4 +1,5 @@
-"""Slowloris: a client that sends its request a byte at a time is cut off."""
+"""Slowloris: a client that sends its request a byte at a time is cut off. Keepalives:
+a stream with nothing to say (a long prefill) still sends a comment line regularly."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def stack(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
 ) -> Iterator[Stack]:
     with running(tmp_path_factory.mktemp("slow"), redis_url, database_url, model_dir,
-                 request_read_timeout_s=1.5) as st:
+                 request_read_timeout_s=1.5, keepalive_s=0.4, scripted_prefill_s=1.6) as st:
         yield st
 
 
@@ -71,3 +72,26 @@ def test_a_long_stream_outlives_the_read_timeout(stack: Stack) -> None:
         took = time.monotonic() - started
     assert took > 1.5  # longer than the request read timeout, and not cut
     assert events[-1].data == "[DONE]" and len(content_of(events)) > 100
+
+
+def test_idle_stream_gets_keepalives_then_its_answer(stack: Stack) -> None:
+    """One ticker for all readers sends them (no timer per reader): every 0.4 s of silence
+    during the 1.6 s prefill gives a `: ping`, then the answer comes as usual."""
+    from tests.e2e.helpers import chat_body
+
+    pings_before_content = 0
+    content = []
+    with httpx.Client(timeout=30) as client, client.stream(
+        "POST", stack.url + "/v1/chat/completions",
+        json=chat_body(stack.model, "still there", stream=True),
+    ) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line == ": ping" and not content:
+                pings_before_content += 1
+            elif line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
+                content.append(line)
+            elif line == "data: [DONE]":
+                break
+    assert 2 <= pings_before_content <= 5, pings_before_content
+    assert content
