@@ -15,6 +15,7 @@ unix ms, first in the SSE event id). A client may follow a *plan*:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import sys
 import time
@@ -237,11 +238,16 @@ async def drive(url: str, system: str, streams: int, text: str, *, drops: int = 
     plans = [Plan(drop_at=rng.randint(2, 30)) if i < drops
              else Plan(abort_at=rng.randint(2, 30)) if i < drops + aborts
              else Plan() for i in range(streams)]
-    limits = httpx.Limits(max_connections=2 * streams + 50, max_keepalive_connections=streams + 50)
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+    async with contextlib.AsyncExitStack() as stack:
+        # httpcore scans its whole pool on every request (quadratic with one pool for 500
+        # streams): one client per 25 streams
+        clients = [await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=300))
+                   for _ in range(0, streams, 25)]
+        client = clients[0]
         with Progress(f"{system} x{streams}", streams) as progress:
             start = time.monotonic()
-            await asyncio.gather(*(one_stream(client, text, run, p, progress) for p in plans))
+            await asyncio.gather(*(one_stream(clients[i // 25], text, run, p, progress)
+                                   for i, p in enumerate(plans)))
             run.wall_s = time.monotonic() - start
         if system == "baseline" and run.aborts_sent:
             await asyncio.sleep(0.2)

@@ -88,18 +88,19 @@ async def idle_streams(url: str, n: int, api_pid: int) -> tuple[int, int]:
     api = psutil.Process(api_pid)
     before = api.memory_info().rss
     body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "idle"}]}
-    limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=n + 10)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        async with contextlib.AsyncExitStack() as stack:
-            for i in range(n):
-                r = await stack.enter_async_context(
-                    client.stream("POST", "/v1/chat/completions", json=body))
-                if r.status_code != 200:
-                    raise RuntimeError(f"idle stream {i}: HTTP {r.status_code}")
-                if i % 1000 == 999:
-                    print(f"  idle: {i + 1}/{n} streams open", file=sys.stderr, flush=True)
-            await asyncio.sleep(3)  # leases refreshed, tailer settled
-            during = api.memory_info().rss
+    async with contextlib.AsyncExitStack() as stack:
+        # httpcore scans its whole pool on every request: one client per 100 streams
+        clients = [await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=600))
+                   for _ in range(0, n, 100)]
+        for i in range(n):
+            r = await stack.enter_async_context(
+                clients[i // 100].stream("POST", "/v1/chat/completions", json=body))
+            if r.status_code != 200:
+                raise RuntimeError(f"idle stream {i}: HTTP {r.status_code}")
+            if i % 1000 == 999:
+                print(f"  idle: {i + 1}/{n} streams open", file=sys.stderr, flush=True)
+        await asyncio.sleep(3)  # leases refreshed, tailer settled
+        during = api.memory_info().rss
     return before, during
 
 
