@@ -155,9 +155,21 @@ class Presence:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
-    async def acquire(self, request_id: str, *, adopted: bool = True) -> Lease:
+    def track(self, request_id: str, *, adopted: bool = True) -> Lease:
+        """A lease this process refreshes; the caller writes it to Redis (``acquire``, or
+        ``RedisLog.create`` together with the log)."""
         lease = Lease(self, request_id, uuid.uuid4().hex, adopted=adopted, taken_ms=now_ms())
         self._leases.add(lease)
+        return lease
+
+    def forget(self, lease: Lease) -> None:
+        self._leases.discard(lease)
+
+    def expiry_ms(self) -> int:
+        return self._expiry()
+
+    async def acquire(self, request_id: str, *, adopted: bool = True) -> Lease:
+        lease = self.track(request_id, adopted=adopted)
         await self.control.lease_script(
             keys=self.control._keys(request_id), args=[lease.token, self._expiry(), 0]
         )

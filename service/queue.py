@@ -56,6 +56,11 @@ def decode_job(data: bytes) -> Job:
     return _dec.decode(data)
 
 
+def encode_job(job: Job) -> bytes:
+    """The queue entry's payload (field ``JOB_FIELD``; ``create.lua`` writes it too)."""
+    return _enc.encode(job)
+
+
 class RequestQueue:
     def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis = redis
@@ -69,7 +74,7 @@ class RequestQueue:
                 raise
 
     async def enqueue(self, job: Job) -> bytes:
-        return await self.redis.xadd(self.keys.queue, {JOB_FIELD: _enc.encode(job)})
+        return await self.redis.xadd(self.keys.queue, {JOB_FIELD: encode_job(job)})
 
     async def read(self, consumer: str, count: int, block_ms: int) -> list[tuple[bytes, Job]]:
         reply = await self.redis.xreadgroup(

@@ -84,9 +84,20 @@ class RedisLog:
         *,
         grace_ms: int = 30_000,
         detached: bool = False,
+        lease: tuple[str, int] | None = None,
+        job: bytes = b"",
     ) -> EventId:
-        keys = [self.keys.meta(request_id), self.keys.log(request_id)]
-        args = [ev.encode(created), safety_ttl_s, grace_ms, "1" if detached else "0"]
+        """Write the log's first event; with ``lease`` (token, expiry ms) and ``job`` (an
+        encoded queue entry) also the first reader's lease and the job, in the same step."""
+        keys = [
+            self.keys.meta(request_id),
+            self.keys.log(request_id),
+            self.keys.readers(request_id),
+            self.keys.queue,
+        ]
+        token, expiry_ms = lease if lease is not None else ("", 0)
+        args = [ev.encode(created), safety_ttl_s, grace_ms, "1" if detached else "0",
+                token, expiry_ms, job]
         try:
             raw = await self._create(keys=keys, args=args)
         except ResponseError as exc:

@@ -18,7 +18,7 @@ from service.control import Control, Lease, Presence
 from service.db.ledger import Ledger
 from service.errors import InvalidRequest
 from service.metrics import READERS
-from service.queue import Job, RequestQueue
+from service.queue import Job, RequestQueue, encode_job
 from service.redis_log import RedisLog
 from service.settings import Settings
 from service.stream import sse
@@ -164,27 +164,32 @@ async def submit(
     )
     settings = ctx.settings
     safety_ttl_s = int(settings.hot_log_ttl_s + 2 * settings.request_deadline_s)
-    await ctx.log.create(
-        rid,
-        created,
-        safety_ttl_s,
-        grace_ms=int(sub.resume_grace_s * 1000),
-        detached=sub.detached,
+    job = Job(
+        request_id=rid,
+        prompt_token_ids=sub.prompt_token_ids,
+        max_tokens=sub.max_tokens,
+        temperature=sub.temperature,
+        top_p=sub.top_p,
+        seed=sub.seed,
+        stop=sub.stop,
+        deadline_unix_s=time.time() + settings.request_deadline_s,
     )
-    lease = await ctx.presence.acquire(rid, adopted=False)
-    deadline = time.time() + settings.request_deadline_s
-    await ctx.queue.enqueue(
-        Job(
-            request_id=rid,
-            prompt_token_ids=sub.prompt_token_ids,
-            max_tokens=sub.max_tokens,
-            temperature=sub.temperature,
-            top_p=sub.top_p,
-            seed=sub.seed,
-            stop=sub.stop,
-            deadline_unix_s=deadline,
+    # the log, the caller's reader lease and the job: one script, one round trip (each
+    # await is a turn of a busy event loop: five of them made a burst of starts slow)
+    lease = ctx.presence.track(rid, adopted=False)
+    try:
+        await ctx.log.create(
+            rid,
+            created,
+            safety_ttl_s,
+            grace_ms=int(sub.resume_grace_s * 1000),
+            detached=sub.detached,
+            lease=(lease.token, ctx.presence.expiry_ms()),
+            job=encode_job(job),
         )
-    )
+    except BaseException:
+        ctx.presence.forget(lease)
+        raise
     return rid, created, lease
 
 

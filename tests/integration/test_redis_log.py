@@ -20,7 +20,7 @@ from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
 
 from service.keys import QUEUE_GROUP, Keys
-from service.queue import Job, RequestQueue
+from service.queue import Job, RequestQueue, encode_job
 from service.redis_log import AlreadyEnded, AppendBatcher, Fenced, RedisLog, RequestExists
 from service.stream import events as ev
 from service.stream.ids import EventId
@@ -110,6 +110,29 @@ async def test_create_writes_created_first_with_ttls(rlog: RedisLog, redis: Redi
     with pytest.raises(RequestExists):
         await rlog.create(request_id, created(), 600)
     assert await redis.xlen(keys.log(request_id)) == 1
+
+
+async def test_create_writes_lease_and_job_in_the_same_step(
+    rlog: RedisLog, redis: Redis, keys: Keys
+):
+    """The submit path's one round trip: log, first reader's lease and queue entry together."""
+    queue = RequestQueue(redis, keys)
+    await queue.ensure_group()
+    request_id = rid()
+    job = Job(request_id=request_id, prompt_token_ids=[1, 2], max_tokens=5, temperature=1.0,
+              top_p=1.0, seed=None, stop=[], deadline_unix_s=0.0)
+    expiry = int(time.time() * 1000) + 10_000
+    await rlog.create(request_id, created(), 600, lease=("tok", expiry), job=encode_job(job))
+    assert await redis.zrange(keys.readers(request_id), 0, -1, withscores=True) == [
+        (b"tok", float(expiry))
+    ]
+    assert 0 < await redis.ttl(keys.readers(request_id)) <= 600
+    [(_entry, got)] = await queue.read("c1", count=10, block_ms=100)
+    assert got == job
+    other = rid()  # without them: the log alone
+    await rlog.create(other, created(), 600)
+    assert not await redis.exists(keys.readers(other))
+    assert await queue.read("c1", count=10, block_ms=100) == []
 
 
 async def test_fencing_takeover_and_terminal(rlog: RedisLog, redis: Redis, keys: Keys):
