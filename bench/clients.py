@@ -52,6 +52,7 @@ class Run:
     errors: int = 0
     request_ids: list[str] = dataclasses.field(default_factory=list)
     aborts_sent: dict[str, float] = dataclasses.field(default_factory=dict)  # baseline: rid -> t
+    cpu_s: dict[str, float] = dataclasses.field(default_factory=dict)  # process -> CPU seconds
 
     @property
     def tokens_per_s(self) -> float:

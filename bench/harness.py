@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
-def baseline(model_dir: Path, rate: float, logs: Path) -> Iterator[str]:
+def baseline(model_dir: Path, rate: float, logs: Path) -> Iterator[tuple[str, list[int]]]:
     port = free_port()
     with open(logs / "baseline.log", "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "bench.baseline", "--port", str(port),
@@ -48,15 +48,15 @@ def baseline(model_dir: Path, rate: float, logs: Path) -> Iterator[str]:
                                 stdout=out, stderr=out)
     try:
         wait_ok(f"http://127.0.0.1:{port}/aborts", [proc])
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", [proc.pid]
     finally:
         stop([proc])
 
 
 @contextlib.contextmanager
 def lastevent(model_dir: Path, rate: float, redis_url: str, prefix: str, logs: Path,
-              ttl_s: int, **extra: str) -> Iterator[tuple[str, int]]:
-    """An API process and a worker process; yields (base url, API pid)."""
+              ttl_s: int, **extra: str) -> Iterator[tuple[str, list[int]]]:
+    """A worker process and an API process; yields (base url, [worker pid, API pid])."""
     port = free_port()
     env = {**os.environ, "LASTEVENT_REDIS_URL": redis_url, "LASTEVENT_MODEL_DIR": str(model_dir),
            "LASTEVENT_PORT": str(port), "LASTEVENT_KEY_PREFIX": prefix, "LASTEVENT_AUTH": "off",
@@ -75,7 +75,7 @@ def lastevent(model_dir: Path, rate: float, redis_url: str, prefix: str, logs: P
         client = redis.Redis.from_url(redis_url)
         while not client.hlen(f"{prefix}:workers"):
             time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}", procs[1].pid
+        yield f"http://127.0.0.1:{port}", [p.pid for p in procs]
     finally:
         stop(procs)
 
@@ -126,6 +126,32 @@ def redis_memory(redis_url: str, prefix: str, rids: list[str]) -> tuple[float, f
     return statistics.median(per_token), statistics.median(per_stream)
 
 
+@contextlib.contextmanager
+def cpu_seconds(pids: list[int], redis_url: str | None) -> Iterator[dict[str, float]]:
+    """CPU seconds spent meanwhile by: these processes, Redis (if given), this client."""
+    import psutil
+
+    procs = [psutil.Process(p) for p in pids]
+    names = ["server"] if len(pids) == 1 else ["worker", "api"]
+
+    def redis_cpu() -> float:
+        if redis_url is None:
+            return 0.0
+        info = redis.Redis.from_url(redis_url).info("cpu")
+        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+    def sample() -> list[float]:
+        return [sum(p.cpu_times()[:2]) for p in procs] + [redis_cpu(), time.process_time()]
+
+    out: dict[str, float] = {}
+    before = sample()
+    yield out
+    after = sample()
+    for name, b, a in zip([*names, "redis", "client"], before, after, strict=True):
+        if redis_url is not None or name != "redis":
+            out[name] = a - b
+
+
 def answer_text(model_dir: Path, tokens: int) -> str:
     """Words the scripted engine echoes back as about ``tokens`` tokens (then EOS)."""
     from service.tokenize import ModelInfo
@@ -172,13 +198,17 @@ def main() -> None:
     started = time.monotonic()
     base_runs: dict[int, Run] = {}
     le_runs: dict[int, Run] = {}
-    with baseline(args.model_dir, args.rate, logs) as url:
+    with baseline(args.model_dir, args.rate, logs) as (url, pids):
         for n in levels:
-            base_runs[n] = asyncio.run(drive(url, "baseline", n, text, aborts=args.aborts))
-    with lastevent(args.model_dir, args.rate, redis_url, prefix, logs, ttl_s) as (url, _pid):
+            with cpu_seconds(pids, None) as cpu:
+                base_runs[n] = asyncio.run(drive(url, "baseline", n, text, aborts=args.aborts))
+            base_runs[n].cpu_s = cpu
+    with lastevent(args.model_dir, args.rate, redis_url, prefix, logs, ttl_s) as (url, pids):
         for n in levels:
-            le_runs[n] = asyncio.run(drive(url, "lastevent", n, text, drops=args.resumes,
-                                           aborts=args.aborts))
+            with cpu_seconds(pids, redis_url) as cpu:
+                le_runs[n] = asyncio.run(drive(url, "lastevent", n, text, drops=args.resumes,
+                                               aborts=args.aborts))
+            le_runs[n].cpu_s = cpu
             if n == levels[-1]:  # the last 20 to finish: still well inside the TTL
                 plain = le_runs[n].request_ids[-20:]
                 mem_token, mem_stream = redis_memory(redis_url, prefix, plain)
@@ -186,8 +216,8 @@ def main() -> None:
     idle_rows = []
     for n in idle:
         with lastevent(args.model_dir, args.rate, redis_url, f"{prefix}i", logs, 60,
-                       scripted_prefill_s="3600", worker_concurrency=str(n + 10)) as (url, pid):
-            before, during = asyncio.run(idle_streams(url, n, pid))
+                       scripted_prefill_s="3600", worker_concurrency=str(n + 10)) as (url, pids):
+            before, during = asyncio.run(idle_streams(url, n, pids[-1]))
         idle_rows.append(f"{(during - before) / n / 1024:.1f} KiB at {n} "
                          f"({before / 2**20:.0f} -> {during / 2**20:.0f} MiB)")
     time.sleep(max(0.0, ttl_s + 2 - (time.monotonic() - ended)))
@@ -206,7 +236,9 @@ def main() -> None:
                f"{args.resumes} of lastevent's streams drop and resume, {args.aborts} of each "
                f"system's are aborted part way. Command: `{' '.join(['python -m bench.harness', *sys.argv[1:]])}`")
     md = "\n\n".join([heading, report.main_table(*runs[top], extra),
-                      "Throughput vs concurrency:", report.sweep_table(runs, args.rate)])
+                      "Throughput vs concurrency:", report.sweep_table(runs, args.rate),
+                      "Where the CPU goes (all of it on one 2-core machine):",
+                      report.cpu_table(runs)])
     (args.out / "results.md").write_text(md + "\n")
     (args.out / "results.json").write_text(report.summary_json(runs))
     pngs = report.plots(runs, args.rate, args.out)

@@ -66,17 +66,34 @@ def sweep_table(runs: dict[int, tuple[Run, Run]], rate: float) -> str:
     return "\n".join(rows)
 
 
+def _none_if_nan(value: float) -> float | None:
+    return None if value != value else value
+
+
+def cpu_table(runs: dict[int, tuple[Run, Run]]) -> str:
+    """CPU seconds per 1,000 delivered tokens, by process: where a 2-core machine goes."""
+    rows = ["| streams | system | " + "CPU ms per 1,000 tokens: by process | total |",
+            "| --- | --- | --- | --- |"]
+    for n, pair in sorted(runs.items()):
+        for run in pair:
+            k = max(run.tokens, 1) / 1000
+            parts = ", ".join(f"{name} {sec / k * 1000:.0f}" for name, sec in run.cpu_s.items())
+            total = sum(run.cpu_s.values()) / k * 1000
+            rows.append(f"| {n} | {run.system} | {parts} | {total:.0f} |")
+    return "\n".join(rows)
+
+
 def summary_json(runs: dict[int, tuple[Run, Run]]) -> str:
     out = {}
     for n, pair in runs.items():
         for run in pair:
             out[f"{run.system}@{n}"] = {
                 "tokens_per_s": run.tokens_per_s, "errors": run.errors,
-                **{f"{name}_p{int(q * 100)}": pct(getattr(run, name), q)
+                **{f"{name}_p{int(q * 100)}": _none_if_nan(pct(getattr(run, name), q))
                    for name in ("ttft_ms", "added_ms", "resume_ms", "abort_ms")
                    for q in (0.5, 0.99, 1.0)},
             }
-    return json.dumps(out, indent=1, default=lambda v: None if v != v else v)
+    return json.dumps(out, indent=1)
 
 
 def plots(runs: dict[int, tuple[Run, Run]], rate: float, out: Path) -> list[Path]:
