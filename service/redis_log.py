@@ -2,9 +2,9 @@
 
 The atomic parts are Lua scripts shipped as package files (``service/lua``).
 ``AppendBatcher`` is how a worker writes: every append made while the previous
-round trip was in flight goes out in the next one, as one pipeline, so all of
-one engine step's deltas -- for every request the worker runs -- cost one round
-trip.
+round trip was in flight goes out in the next one, as one call of the append
+script, so all of one engine step's deltas -- for every request the worker runs --
+cost one round trip and one Redis command.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from importlib import resources
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ResponseError
 
 from service.keys import EVENT_FIELD, Keys
 from service.stream import events as ev
@@ -119,32 +119,36 @@ class RedisLog:
         ttl_s: int = 0,
         summary: bytes = b"",
     ) -> list[EventId]:
-        keys, args = self.append_args(request_id, epoch, events, terminal_state, ttl_s, summary)
-        try:
-            raw = await self.append_script(keys=keys, args=args)
-        except ResponseError as exc:
-            raise _map_error(exc) from None
-        return [_decode_id(r) for r in raw]
+        [result] = await self.append_many(
+            [Append(request_id, epoch, events, terminal_state, ttl_s, summary)]
+        )
+        if isinstance(result, LogError):
+            raise result
+        return result
 
-    def append_args(
-        self,
-        request_id: str,
-        epoch: int,
-        events: Sequence[ev.Event],
-        terminal_state: str,
-        ttl_s: int,
-        summary: bytes = b"",
-    ) -> tuple[list[str], list[bytes | str | int]]:
-        keys = [
-            self.keys.meta(request_id),
-            self.keys.log(request_id),
-            self.keys.readers(request_id),
-            self.keys.outbox,
-            self.keys.scratch(request_id),
-        ]
-        args: list[bytes | str | int] = [str(epoch), terminal_state, ttl_s, summary]
-        args.extend(ev.encode(e) for e in events)
-        return keys, args
+    async def append_many(self, items: Sequence[Append]) -> list[list[EventId] | LogError]:
+        """All of ``items`` in one script call (one round trip, one Redis command); each
+        gets its entry ids, or ``Fenced`` / ``AlreadyEnded`` (that one is not written).
+        Connection errors raise for all."""
+        keys: list[str] = [self.keys.outbox]
+        args: list[bytes | str | int] = []
+        for item in items:
+            rid = item.request_id
+            keys += [self.keys.meta(rid), self.keys.log(rid), self.keys.readers(rid),
+                     self.keys.scratch(rid)]
+            args += [str(item.epoch), item.terminal_state, item.ttl_s, item.summary,
+                     len(item.events)]
+            args.extend(ev.encode(e) for e in item.events)
+        raw = await self.append_script(keys=keys, args=args)  # reloads the script if need be
+        out: list[list[EventId] | LogError] = []
+        for reply in raw:
+            status = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
+            if status == "OK":
+                out.append([_decode_id(r) for r in reply[1:]])
+            else:
+                error = _map_error(ResponseError(status))
+                out.append(error if isinstance(error, LogError) else LogError(status))
+        return out
 
     async def exists(self, request_id: str) -> bool:
         return bool(await self.redis.exists(self.keys.log(request_id)))
@@ -192,22 +196,23 @@ class RedisLog:
 
 
 @dataclasses.dataclass(slots=True)
-class _Pending:
+class Append:
+    """One request's events for ``RedisLog.append_many``."""
+
     request_id: str
     epoch: int
     events: Sequence[ev.Event]
-    terminal_state: str
-    ttl_s: int
-    summary: bytes
-    future: asyncio.Future[list[EventId]]
+    terminal_state: str = ""
+    ttl_s: int = 0
+    summary: bytes = b""
 
 
 class AppendBatcher:
-    """Group commit for a worker's appends: one pipelined round trip per flush."""
+    """Group commit for a worker's appends: one script call per flush."""
 
     def __init__(self, log: RedisLog) -> None:
         self._log = log
-        self._pending: list[_Pending] = []
+        self._pending: list[tuple[Append, asyncio.Future[list[EventId]]]] = []
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.round_trips = 0  # for tests and metrics: flushes sent
@@ -232,8 +237,8 @@ class AppendBatcher:
         summary: bytes = b"",
     ) -> list[EventId]:
         future: asyncio.Future[list[EventId]] = asyncio.get_running_loop().create_future()
-        item = _Pending(request_id, epoch, events, terminal_state, ttl_s, summary, future)
-        self._pending.append(item)
+        item = Append(request_id, epoch, events, terminal_state, ttl_s, summary)
+        self._pending.append((item, future))
         self._wakeup.set()
         return await future
 
@@ -247,47 +252,20 @@ class AppendBatcher:
             if batch:
                 await self._flush(batch)
 
-    async def _flush(self, batch: list[_Pending]) -> None:
+    async def _flush(self, batch: list[tuple[Append, asyncio.Future[list[EventId]]]]) -> None:
         try:
-            results = await self._send(batch)
-            missing = [i for i, r in enumerate(results) if _is_noscript(r)]
-            if missing:  # Redis lost its script cache (restart, SCRIPT FLUSH): load, resend those
-                await self._log.redis.script_load(self._log.append_script.script)
-                again = await self._send([batch[i] for i in missing])
-                for i, r in zip(missing, again, strict=True):
-                    results[i] = r
+            results = await self._log.append_many([item for item, _ in batch])
         except Exception as exc:  # connection trouble: every caller of this flush sees it
-            for item in batch:
-                if not item.future.done():
-                    item.future.set_exception(exc)
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
             return
         self.round_trips += 1
         self.appends += len(batch)
-        for item, result in zip(batch, results, strict=True):
-            if item.future.done():
+        for (_, future), result in zip(batch, results, strict=True):
+            if future.done():
                 continue
-            if isinstance(result, ResponseError):
-                item.future.set_exception(_map_error(result))
+            if isinstance(result, LogError):
+                future.set_exception(result)
             else:
-                item.future.set_result([_decode_id(r) for r in result])  # type: ignore[attr-defined]
-
-    async def _send(self, batch: list[_Pending]) -> list[object]:
-        """One pipelined round trip of EVALSHA calls (a Script object in a pipeline would
-        add a SCRIPT EXISTS round trip to every flush)."""
-        pipe = self._log.redis.pipeline(transaction=False)
-        sha = self._log.append_script.sha
-        for item in batch:
-            keys, args = self._log.append_args(
-                item.request_id,
-                item.epoch,
-                item.events,
-                item.terminal_state,
-                item.ttl_s,
-                item.summary,
-            )
-            pipe.evalsha(sha, len(keys), *keys, *args)
-        return list(await pipe.execute(raise_on_error=False))
-
-
-def _is_noscript(result: object) -> bool:
-    return isinstance(result, NoScriptError)
+                future.set_result(result)

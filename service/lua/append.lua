@@ -1,38 +1,50 @@
--- Fenced append: XADD events only if the caller still owns the request.
--- KEYS[1] meta, KEYS[2] log, KEYS[3] readers (dropped at the terminal event), KEYS[4] outbox,
--- KEYS[5] scratch (the finished log is copied there and renamed back: see below)
--- ARGV[1] owner epoch, ARGV[2] terminal state ('' if not terminal),
--- ARGV[3] TTL in seconds applied to both keys when terminal,
--- ARGV[4] encoded Summary for the outbox ('' if not terminal), ARGV[5..] encoded events
--- Returns the new entry ids; errors FENCED (not the owner) or ENDED (already terminal).
--- The terminal event and its outbox entry are written together or not at all.
-local meta = redis.call('HMGET', KEYS[1], 'epoch', 'state')
-if meta[1] ~= ARGV[1] then
-  return redis.error_reply('FENCED owner epoch is ' .. tostring(meta[1]) .. ', not ' .. ARGV[1])
-end
-local state = meta[2]
-if state == 'finished' or state == 'cancelled' or state == 'abandoned' or state == 'errored' then
-  return redis.error_reply('ENDED request already ' .. state)
-end
-local ids = {}
-for i = 5, #ARGV do
-  ids[#ids + 1] = redis.call('XADD', KEYS[2], '*', 'e', ARGV[i])
-end
-if #ids > 0 then
-  redis.call('HSET', KEYS[1], 'last', ids[#ids])
-end
-if ARGV[2] ~= '' then
-  redis.call('DEL', KEYS[3])
-  -- Right-size the finished log: Redis preallocates a stream node's listpack to
-  -- stream-node-max-bytes (4 KiB by default) and never shrinks the last node, which
-  -- for a short answer is most of its memory; a copy is allocated to fit.
-  redis.call('COPY', KEYS[2], KEYS[5], 'REPLACE')
-  redis.call('RENAME', KEYS[5], KEYS[2])
-  redis.call('HSET', KEYS[1], 'state', ARGV[2])
-  redis.call('EXPIRE', KEYS[1], ARGV[3])
-  redis.call('EXPIRE', KEYS[2], ARGV[3])
-  if ARGV[4] ~= '' then
-    redis.call('XADD', KEYS[4], '*', 's', ARGV[4], 'i', ids[#ids])
+-- Fenced appends for one or many requests in one call (a worker's whole flush: one
+-- engine step of every request it runs). For each request, XADD its events only if the
+-- caller still owns it; the terminal event and its outbox entry go together or not at all.
+-- KEYS[1] outbox; then per request: meta, log, readers (dropped at the terminal event),
+-- scratch (the finished log is copied there and renamed back: see below)
+-- ARGV, per request: owner epoch, terminal state ('' if not terminal), TTL in seconds
+-- applied to its keys when terminal, encoded Summary for the outbox ('' if none),
+-- number of events n, then the n encoded events
+-- Returns one array per request: {'OK', <entry id>...}, or {'FENCED ...'} (not the
+-- owner) / {'ENDED ...'} (already terminal), which leave that request untouched.
+local out = {}
+local a, k = 1, 2
+while a <= #ARGV do
+  local epoch, terminal, ttl, summary = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
+  local first = a + 5
+  local last = first + tonumber(ARGV[a + 4]) - 1
+  local meta_key, log_key, readers_key, scratch_key = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
+  a, k = last + 1, k + 4
+  local meta = redis.call('HMGET', meta_key, 'epoch', 'state')
+  local state = meta[2]
+  if meta[1] ~= epoch then
+    out[#out + 1] = {'FENCED owner epoch is ' .. tostring(meta[1]) .. ', not ' .. epoch}
+  elseif state == 'finished' or state == 'cancelled' or state == 'abandoned' or state == 'errored' then
+    out[#out + 1] = {'ENDED request already ' .. state}
+  else
+    local ids = {'OK'}
+    for i = first, last do
+      ids[#ids + 1] = redis.call('XADD', log_key, '*', 'e', ARGV[i])
+    end
+    if #ids > 1 then
+      redis.call('HSET', meta_key, 'last', ids[#ids])
+    end
+    if terminal ~= '' then
+      redis.call('DEL', readers_key)
+      -- Right-size the finished log: Redis preallocates a stream node's listpack to
+      -- stream-node-max-bytes (4 KiB by default) and never shrinks the last node, which
+      -- for a short answer is most of its memory; a copy is allocated to fit.
+      redis.call('COPY', log_key, scratch_key, 'REPLACE')
+      redis.call('RENAME', scratch_key, log_key)
+      redis.call('HSET', meta_key, 'state', terminal)
+      redis.call('EXPIRE', meta_key, ttl)
+      redis.call('EXPIRE', log_key, ttl)
+      if summary ~= '' then
+        redis.call('XADD', KEYS[1], '*', 's', summary, 'i', ids[#ids])
+      end
+    end
+    out[#out + 1] = ids
   end
 end
-return ids
+return out

@@ -21,7 +21,14 @@ from redis.asyncio.connection import Connection
 
 from service.keys import QUEUE_GROUP, Keys
 from service.queue import Job, RequestQueue, encode_job
-from service.redis_log import AlreadyEnded, AppendBatcher, Fenced, RedisLog, RequestExists
+from service.redis_log import (
+    AlreadyEnded,
+    Append,
+    AppendBatcher,
+    Fenced,
+    RedisLog,
+    RequestExists,
+)
 from service.stream import events as ev
 from service.stream.ids import EventId
 from service.tail import Batch, LogTailer, Subscription
@@ -197,6 +204,27 @@ async def test_terminal_append_right_sizes_the_log(
     assert after / 98 <= 40 < before / 98
     assert 0 < await redis.ttl(keys.log(request_id)) <= 60
     assert not await redis.exists(keys.scratch(request_id))
+
+
+async def test_append_many_fences_each_request_on_its_own(rlog: RedisLog):
+    """One script call for a whole flush: a fenced or ended request is refused, the
+    others in the same call are written."""
+    ok, ok_epoch = await new_request(rlog)
+    taken, _ = await new_request(rlog)
+    assert await rlog.claim(taken, "w2") == 2  # another worker took it over
+    done, done_epoch = await new_request(rlog)
+    await rlog.append(done, done_epoch, [END], terminal_state="finished", ttl_s=60)
+    results = await rlog.append_many([
+        Append(taken, 1, [delta(1)]),
+        Append(ok, ok_epoch, [delta(1), delta(2)]),
+        Append(done, done_epoch, [delta(3)]),
+        Append(ok, ok_epoch, [END], terminal_state="finished", ttl_s=60),
+    ])
+    assert isinstance(results[0], Fenced) and isinstance(results[2], AlreadyEnded)
+    assert len(results[1]) == 2 and len(results[3]) == 1  # type: ignore[arg-type]
+    assert [e for _, e in await rlog.read(ok)] == [created(), delta(1), delta(2), END]
+    assert [e for _, e in await rlog.read(taken)] == [created()]
+    assert [e for _, e in await rlog.read(done)] == [created(), END]
 
 
 async def test_batcher_one_round_trip_per_step(rlog: RedisLog, batcher: AppendBatcher):
