@@ -45,3 +45,20 @@ async def test_reading_client_gets_everything() -> None:
 
     await SendTimeoutMiddleware(streaming_app, timeout_s=0.2)({"type": "http"}, None, send)
     assert len(sent) == 100
+
+
+async def test_a_cancel_from_elsewhere_stays_a_cancel() -> None:
+    """The client went away (the server cancels the response task): not a send timeout."""
+    blocked = asyncio.Event()
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            blocked.set()
+            await asyncio.Event().wait()
+
+    app = SendTimeoutMiddleware(streaming_app, timeout_s=30)
+    task = asyncio.ensure_future(app({"type": "http"}, None, send))
+    await blocked.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
