@@ -173,11 +173,21 @@ class RedisLog:
         raw = await self.redis.xrange(self.keys.log(request_id), min=start, count=count)
         return _entries(raw)
 
-    async def has_event(self, request_id: str, event_id: EventId) -> bool:
-        raw = await self.redis.xrange(
-            self.keys.log(request_id), min=str(event_id), max=str(event_id), count=1
-        )
-        return bool(raw)
+    async def look(
+        self, request_id: str, event_id: EventId | None
+    ) -> tuple[tuple[EventId, ev.Event] | None, bool, tuple[EventId, ev.Event] | None]:
+        """One round trip for a reconnect: (first entry, whether ``event_id`` is an entry
+        of this log, last entry)."""
+        key = self.keys.log(request_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xrange(key, count=1)
+        if event_id is not None:
+            pipe.xrange(key, min=str(event_id), max=str(event_id), count=1)
+        pipe.xrevrange(key, count=1)
+        replies = await pipe.execute()
+        first, last = _entries(replies[0]), _entries(replies[-1])
+        found = bool(replies[1]) if event_id is not None else False
+        return (first[0] if first else None), found, (last[0] if last else None)
 
     async def first(self, request_id: str) -> ev.Created | None:
         found = await self.first_with_id(request_id)

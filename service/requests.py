@@ -214,10 +214,15 @@ async def sse_frames(
 
     The reader holds a presence lease for as long as it is connected."""
     renderer = ChunkRenderer(rid, created)
-    if lease is None:
-        lease = await ctx.presence.acquire(rid)
-    lease.adopted = True
+    # subscribe first: the tailer starts reading while the lease is written
     sub = ctx.tailer.subscribe(rid, _before(cursor), interruptible=True)
+    if lease is None:
+        try:
+            lease = await ctx.presence.acquire(rid)
+        except BaseException:
+            sub.close()
+            raise
+    lease.adopted = True
     READERS.inc()
     try:
         while True:

@@ -85,7 +85,11 @@ class RequestsController(Controller):
         cursor = _cursor(header, "Last-Event-ID") if header else _cursor(after, "after")
         param = "Last-Event-ID" if header else "after"
         headers = {**sse.HEADERS, REQUEST_ID_HEADER: request_id}
-        created = _owned(await ctx.log.first(request_id), principal, request_id)
+        # first entry, the cursor's entry, last entry: one round trip (each await is a turn
+        # of a busy event loop, and this is the reconnect latency a client feels)
+        first, known, last = await ctx.log.look(request_id, cursor.event if cursor else None)
+        found = first[1] if first is not None and isinstance(first[1], Created) else None
+        created = _owned(found, principal, request_id)
         if created is None:  # the hot log is gone: one cursor, served from the archive
             entries = await _archived(ctx, request_id)
             _owned(entries[0][1], principal, request_id, required=True)
@@ -97,9 +101,8 @@ class RequestsController(Controller):
         frames = sse_frames(ctx, request_id, created, cursor)
         if cursor is not None:
             RESUMES.inc()
-            if not await ctx.log.has_event(request_id, cursor.event):
+            if not known:
                 raise _foreign(cursor, request_id, param)
-            last = await ctx.log.last(request_id)
             if last is not None and isinstance(last[1], End) and cursor.event == last[0]:
                 if cursor.frame is None:  # the client has everything: an empty, closed stream
                     frames = _nothing()
