@@ -24,6 +24,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -188,7 +189,38 @@ def main() -> None:
         from service.model import prepare_model
 
         prepare_model(args.model_dir)
-    redis_url = os.environ.get("LASTEVENT_REDIS_URL", "redis://127.0.0.1:6379/0")
+    with contextlib.ExitStack() as stack:
+        redis_url = os.environ.get("LASTEVENT_REDIS_URL") or stack.enter_context(local_redis())
+        run_all(args, levels, idle, redis_url)
+
+
+@contextlib.contextmanager
+def local_redis() -> Iterator[str]:
+    """The Redis on 127.0.0.1:6379 if one answers, else an embedded Valkey for the run."""
+    if _answers("127.0.0.1", 6379):
+        yield "redis://127.0.0.1:6379/0"
+        return
+    from service.embedded import EmbeddedRedis
+
+    server = EmbeddedRedis(Path(tempfile.mkdtemp(prefix="bench-redis-")))
+    print("no Redis on 127.0.0.1:6379: using an embedded Valkey", file=sys.stderr)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+def _answers(host: str, port: int) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def run_all(args: argparse.Namespace, levels: list[int], idle: list[int], redis_url: str) -> None:
     text = answer_text(args.model_dir, args.tokens)
     args.out.mkdir(parents=True, exist_ok=True)
     logs = args.out / "logs"
