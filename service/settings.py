@@ -99,6 +99,7 @@ class Settings:
     scripted_tokens_per_s: float = 50.0
     scripted_text: str | None = None  # None: echo the last user message
     scripted_fail_after: int | None = None  # raise after this many tokens
+    scripted_crash_after: int | None = None  # raise a non-engine error (a bug) after this many
     scripted_stall_after: int | None = None  # stop producing after this many tokens
     scripted_prefill_s: float = 0.0  # a prefill this long before the first token
 

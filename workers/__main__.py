@@ -31,6 +31,7 @@ def build_engine(settings: Settings, model: ModelInfo) -> Engine:
             fail_after=settings.scripted_fail_after,
             stall_after=settings.scripted_stall_after,
             prefill_s=settings.scripted_prefill_s,
+            crash_after=settings.scripted_crash_after,
         )
     if settings.engine == "cpu":
         from workers.engines.cpu import CpuEngine

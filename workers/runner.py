@@ -20,12 +20,14 @@ from service.control import ABANDONED, CANCELLED, Control
 from service.db.ledger import Ledger
 from service.keys import Keys
 from service.queue import Heartbeat, Job, RequestQueue
-from service.redis_log import AppendBatcher, Fenced, LogError, RedisLog
+from service.redis_log import AlreadyEnded, AppendBatcher, Fenced, LogError, RedisLog
 from service.settings import Settings
 from service.stream.assemble import Assembler
 from service.stream.events import (
     Created,
+    Delta,
     End,
+    Error,
     Event,
     FinishReason,
     State,
@@ -215,6 +217,7 @@ class Runner:
 
     async def _serve(self, entry_id: bytes, job: Job) -> None:
         rid = job.request_id
+        epoch: int | None = None
         try:
             epoch = await self.log.claim(rid, self.settings.worker_id)
             if epoch is None:  # expired or already ended: nothing to do
@@ -256,6 +259,42 @@ class Runner:
             await self.queue.ack(entry_id)
         except Exception:
             log.exception("request %s failed in the worker", rid)
+            await self._end_after_crash(entry_id, job, epoch)
+
+    async def _end_after_crash(self, entry_id: bytes, job: Job, epoch: int | None) -> None:
+        """A bug, or Redis failing mid-request: end it ``errored`` (``internal_error``)
+        instead of leaving its readers waiting until the safety TTL. Best effort: a few
+        tries, then the request is left to its deadline and TTL."""
+        rid = job.request_id
+        with contextlib.suppress(Exception):
+            await self.engine.abort(rid)
+        for attempt in range(3):
+            try:
+                if epoch is None:  # it failed before (or while) taking ownership
+                    epoch = await self.log.claim(rid, self.settings.worker_id)
+                    if epoch is None:  # ended or expired meanwhile
+                        await self.queue.ack(entry_id)
+                        return
+                entries = await self.log.read(rid)
+                first = entries[0] if entries and isinstance(entries[0][1], Created) else None
+                completion = max((e.n for _, e in entries if isinstance(e, Delta)), default=0)
+                prompt = first[1].prompt_tokens if first else len(job.prompt_token_ids)
+                end = End(str(State.ERRORED), None, prompt, completion)
+                error = Error("internal_error", "the worker failed while serving this request")
+                summary = summarize(rid, first, end, now_ms=int(time.time() * 1000),  # type: ignore[arg-type]
+                                    error_code="internal_error", worker_id=self.settings.worker_id)
+                await self.log.append(rid, epoch, [error, end], terminal_state=end.state,
+                                      ttl_s=self.settings.hot_log_ttl_s,
+                                      summary=encode_summary(summary))
+                await self.queue.ack(entry_id)
+                return
+            except (Fenced, AlreadyEnded):
+                await self.queue.ack(entry_id)
+                return
+            except Exception as exc:
+                log.warning("could not end request %s after a failure (try %d): %s",
+                            rid, attempt + 1, exc)
+                await asyncio.sleep(0.5 * 2**attempt)
 
     def _summary(
         self,

@@ -27,6 +27,16 @@ def faulty(
 
 
 @pytest.fixture(scope="module")
+def crashing(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
+) -> Iterator[Stack]:
+    """One worker whose engine raises something that is not an engine error (a bug)."""
+    with running(tmp_path_factory.mktemp("crashing"), redis_url, database_url, model_dir,
+                 scripted_crash_after=3) as st:
+        yield st
+
+
+@pytest.fixture(scope="module")
 def stalled(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
 ) -> Iterator[Stack]:
@@ -61,6 +71,24 @@ def test_engine_failure_is_an_in_band_error(faulty: Stack) -> None:
     row = ledger_row(faulty.settings.database_url or "", rid)
     assert row is not None and row["state"] == "errored" and row["error_code"] == "engine_failure"
     assert row["completion_tokens"] == 5
+
+
+def test_a_bug_in_the_worker_ends_the_request_errored(crashing: Stack) -> None:
+    """Not an engine error, not a dead worker: the worker itself fails mid-request. The
+    reader gets an in-band internal_error and the request a terminal state and a billing
+    row, instead of a stream that waits until its safety TTL."""
+    with httpx.Client(base_url=crashing.url, timeout=30) as client:
+        headers, events = read_all(client, "POST", "/v1/chat/completions",
+                                   json=chat_body(crashing.model, LONG, stream=True))
+        err = _error_event(events)
+        assert err["code"] == "internal_error"
+        assert events[-1].data != "[DONE]"
+        assert LONG.startswith(content_of(events))
+        rid = headers["x-request-id"]
+        assert client.get(f"/v1/requests/{rid}").json()["state"] == "errored"
+    row = ledger_row(crashing.settings.database_url or "", rid)
+    assert row is not None and row["state"] == "errored" and row["error_code"] == "internal_error"
+    assert row["completion_tokens"] == 3
 
 
 def test_stalled_engine_hits_the_deadline(stalled: Stack) -> None:

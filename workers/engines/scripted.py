@@ -6,7 +6,8 @@ the content of the last user message, for a text prompt the prompt itself
 with the model's own tokenizer and produced one token per step at
 ``tokens_per_s``, followed by EOS; so the rest of the system sees real token
 ids, split characters and all. Fault injection: ``fail_after`` raises an engine
-error after that many tokens, ``stall_after`` stops producing (for deadlines).
+error after that many tokens, ``crash_after`` raises something that is not an
+engine error (a bug), ``stall_after`` stops producing (for deadlines).
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ class ScriptedEngine:
         fail_after: int | None = None,
         stall_after: int | None = None,
         prefill_s: float = 0.0,
+        crash_after: int | None = None,
     ) -> None:
         self._model = model
         self._interval_s = 1.0 / tokens_per_s if tokens_per_s > 0 else 0.0
         self._fixed = None if text is None else model.encode(text)
         self._fail_after = fail_after
         self._stall_after = stall_after
+        self._crash_after = crash_after
         self._prefill_s = prefill_s
         self._aborted: set[str] = set()
         self._abort_events: dict[str, asyncio.Event] = {}
@@ -94,6 +97,8 @@ class ScriptedEngine:
                 return
             if self._fail_after is not None and produced >= self._fail_after:
                 raise EngineError(f"scripted failure after {produced} tokens", "engine_failure")
+            if self._crash_after is not None and produced >= self._crash_after:
+                raise RuntimeError(f"scripted crash after {produced} tokens")  # a bug, not an engine error
             if self._stall_after is not None and produced >= self._stall_after:
                 await self._abort_events[request_id].wait()  # stalled until aborted
                 continue
