@@ -94,6 +94,7 @@ def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
             count=settings.tail_count,
             shard_size=settings.tail_shard_size,
             keepalive_s=settings.keepalive_s,
+            writer=redis,
         )
         engine = make_engine(settings.database_url) if settings.database_url else None
         control = Control(redis, keys)

@@ -170,10 +170,18 @@ class Presence:
 
     async def acquire(self, request_id: str, *, adopted: bool = True) -> Lease:
         lease = self.track(request_id, adopted=adopted)
+        try:
+            await self._write(lease)
+        except BaseException:  # not written (or cancelled): never refresh it
+            self.forget(lease)
+            raise
+        return lease
+
+    async def _write(self, lease: Lease) -> None:
+        request_id = lease.request_id
         await self.control.lease_script(
             keys=self.control._keys(request_id), args=[lease.token, self._expiry(), 0]
         )
-        return lease
 
     async def release(self, lease: Lease) -> None:
         if lease not in self._leases:

@@ -16,17 +16,20 @@ import functools
 from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, Redis
-from redis.driver_info import DriverInfo
 from redis.utils import get_lib_version
 
 
 @functools.cache
-def _driver_info() -> DriverInfo:
-    return DriverInfo(name="redis-py", lib_version=get_lib_version())
+def _driver_info() -> dict[str, Any]:
+    try:
+        from redis.driver_info import DriverInfo  # redis-py >= 7.1
+    except ImportError:  # older: its own per-connection lookup
+        return {}
+    return {"driver_info": DriverInfo(name="redis-py", lib_version=get_lib_version())}
 
 
 def connect(url: str, max_connections: int, *, wait_s: float = 30.0, **kwargs: Any) -> Redis:
-    kwargs.setdefault("driver_info", _driver_info())
+    kwargs = {**_driver_info(), **kwargs}
     pool = BlockingConnectionPool.from_url(
         url, max_connections=max_connections, timeout=wait_s, **kwargs
     )

@@ -138,8 +138,12 @@ class LogTailer:
         count: int = 512,
         shard_size: int = 1000,
         keepalive_s: float | None = None,
+        writer: Redis | None = None,
     ) -> None:
-        self._redis = redis
+        """``redis`` holds one connection per shard in ``XREAD BLOCK`` (so its pool caps the
+        shards: 64 connections, ~63,000 followed logs); ``writer`` (default ``redis``) sends
+        the wakes, so that they never queue behind blocked reads."""
+        self._redis = writer or redis
         # the same pool, but XREAD replies left as Redis sent them: redis-py's reply
         # parsing (a dict per entry) cost more than the read itself with 500 streams
         self._reader = Redis(connection_pool=redis.connection_pool)
@@ -276,6 +280,9 @@ class _Shard:
         asyncio.get_running_loop().create_task(self._send_wake())
 
     async def _send_wake(self) -> None:
+        # cleared before the XADD goes out: a reader added from here on, after the woken
+        # read may already have been re-issued without it, sends a wake of its own
+        self._wake_pending = False
         try:
             pipe = self._redis.pipeline(transaction=False)
             pipe.xadd(self._wake_key, {b"w": b"1"}, maxlen=16, approximate=False)
@@ -283,8 +290,6 @@ class _Shard:
             await pipe.execute()
         except RedisError as exc:  # the loop's own error handling retries reads
             log.warning("wake failed: %s", exc)
-        finally:
-            self._wake_pending = False
 
     def _streams(self) -> dict[str, bytes]:
         streams = dict(self._positions)  # a snapshot: dispatch needs what this read asked for
@@ -308,7 +313,10 @@ class _Shard:
                 reply = list(reply.items())
             for raw_key, entries in reply or ():
                 key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
-                self._dispatch(key, entries, streams[key])
+                try:
+                    self._dispatch(key, entries, streams[key])
+                except Exception:  # one bad entry must not stop the shard's other readers
+                    log.exception("cannot dispatch entries of %s", key)
 
     def _dispatch(self, key: str, entries: list[list[Any]], read_from: bytes) -> None:
         """``entries``: ``[[id, [field, value, ...]], ...]`` as Redis sent them."""

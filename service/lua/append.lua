@@ -35,13 +35,17 @@ while a <= #ARGV do
       -- Right-size the finished log: Redis preallocates a stream node's listpack to
       -- stream-node-max-bytes (4 KiB by default) and never shrinks the last node, which
       -- for a short answer is most of its memory; a copy is allocated to fit.
-      redis.call('COPY', log_key, scratch_key, 'REPLACE')
-      redis.call('RENAME', scratch_key, log_key)
+      if redis.call('EXISTS', log_key) == 1 then
+        redis.call('COPY', log_key, scratch_key, 'REPLACE')
+        redis.call('RENAME', scratch_key, log_key)
+      end
       redis.call('HSET', meta_key, 'state', terminal)
       redis.call('EXPIRE', meta_key, ttl)
       redis.call('EXPIRE', log_key, ttl)
       if summary ~= '' then
-        redis.call('XADD', KEYS[1], '*', 's', summary, 'i', ids[#ids])
+        local end_id = ids[#ids]
+        if #ids == 1 then end_id = redis.call('HGET', meta_key, 'last') or '' end
+        redis.call('XADD', KEYS[1], '*', 's', summary, 'i', end_id)
       end
     end
     out[#out + 1] = ids

@@ -505,3 +505,32 @@ async def test_pool_waits_for_a_connection_instead_of_failing(redis_url: str, ke
         assert results == [None] * 8
     finally:
         await client.aclose()
+
+
+async def test_terminal_append_without_events_points_the_outbox_at_the_last_entry(
+    rlog: RedisLog, redis: Redis, keys: Keys
+):
+    request_id, epoch = await new_request(rlog)
+    [last_id] = await rlog.append(request_id, epoch, [delta(1)])
+    assert await rlog.append(request_id, epoch, [], terminal_state="cancelled", ttl_s=60,
+                             summary=b"s") == []
+    [(_, fields)] = await redis.xrange(keys.outbox, count=1)
+    assert fields[b"i"].decode() == str(last_id)
+    assert (await rlog.meta(request_id)).state == "cancelled"  # type: ignore[union-attr]
+
+
+async def test_a_lease_that_could_not_be_written_is_not_kept(redis: Redis, keys: Keys):
+    """A reader that goes away while its lease is being written (or a Redis error then)
+    must not leave a lease this process refreshes for ever."""
+    from service.control import Control, Presence
+
+    control = Control(redis, keys)
+    presence = Presence(control)
+
+    async def failing(*_a: object, **_k: object) -> None:
+        raise ConnectionError("redis went away")
+
+    control.lease_script = failing  # type: ignore[method-assign,assignment]
+    with pytest.raises(ConnectionError):
+        await presence.acquire(rid())
+    assert len(presence) == 0
