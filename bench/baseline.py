@@ -34,8 +34,8 @@ from workers.engines.base import SamplingParams
 from workers.engines.scripted import ScriptedEngine
 
 
-def build(model: ModelInfo, tokens_per_s: float) -> Litestar:
-    engine = ScriptedEngine(model, tokens_per_s=tokens_per_s)
+def build(model: ModelInfo, tokens_per_s: float, prefill_s: float = 0.0) -> Litestar:
+    engine = ScriptedEngine(model, tokens_per_s=tokens_per_s, prefill_s=prefill_s)
     counter = iter(range(10**12))
     aborts: dict[str, float] = {}  # request id -> when the engine's generator was closed early
 
@@ -90,8 +90,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model-dir", type=Path, required=True)
     parser.add_argument("--tokens-per-s", type=float, default=20.0)
+    parser.add_argument("--prefill-s", type=float, default=0.0, help="idle-stream runs")
     args = parser.parse_args()
-    app = build(ModelInfo.load(args.model_dir), args.tokens_per_s)
+    app = build(ModelInfo.load(args.model_dir), args.tokens_per_s, args.prefill_s)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 
 

@@ -41,11 +41,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
-def baseline(model_dir: Path, rate: float, logs: Path) -> Iterator[tuple[str, list[int]]]:
+def baseline(model_dir: Path, rate: float, logs: Path,
+             prefill_s: float = 0.0) -> Iterator[tuple[str, list[int]]]:
     port = free_port()
-    with open(logs / "baseline.log", "wb") as out:
+    with open(logs / "baseline.log", "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "bench.baseline", "--port", str(port),
-                                 "--model-dir", str(model_dir), "--tokens-per-s", str(rate)],
+                                 "--model-dir", str(model_dir), "--tokens-per-s", str(rate),
+                                 "--prefill-s", str(prefill_s)],
                                 stdout=out, stderr=out)
     try:
         wait_ok(f"http://127.0.0.1:{port}/aborts", [proc])
@@ -245,13 +247,19 @@ def run_all(args: argparse.Namespace, levels: list[int], idle: list[int], redis_
                 plain = le_runs[n].request_ids[-20:]
                 mem_token, mem_stream = redis_memory(redis_url, prefix, plain)
         ended = time.monotonic()
-    idle_rows = []
+    idle_rows: list[tuple[str, str]] = []
     for n in idle:
+        with baseline(args.model_dir, args.rate, logs, prefill_s=3600) as (url, pids):
+            b_before, b_during = asyncio.run(idle_streams(url, n, pids[0]))
         with lastevent(args.model_dir, args.rate, redis_url, f"{prefix}i", logs, 60,
                        scripted_prefill_s="3600", worker_concurrency=str(n + 10)) as (url, pids):
             before, during = asyncio.run(idle_streams(url, n, pids[-1]))
-        idle_rows.append(f"{(during - before) / n / 1024:.1f} KiB at {n} "
-                         f"({before / 2**20:.0f} -> {during / 2**20:.0f} MiB)")
+        idle_rows.append((
+            f"{(b_during - b_before) / n / 1024:.1f} KiB ({b_before / 2**20:.0f} -> "
+            f"{b_during / 2**20:.0f} MiB)",
+            f"{(during - before) / n / 1024:.1f} KiB ({before / 2**20:.0f} -> "
+            f"{during / 2**20:.0f} MiB) | {(during - before) / max(b_during - b_before, 1):.2f}",
+        ))
     time.sleep(max(0.0, ttl_s + 2 - (time.monotonic() - ended)))
     left = sum(1 for _ in redis.Redis.from_url(redis_url).scan_iter(f"{prefix}:{{*", count=1000))
 
@@ -262,12 +270,12 @@ def run_all(args: argparse.Namespace, levels: list[int], idle: list[int], redis_
             f"{mem_token:.0f} B / {mem_stream / 1024:.1f} KiB",
         f"per-request keys left {ttl_s} s after the TTL": str(left),
     }
-    if idle_rows:
-        extra["API RSS per open idle stream"] = "; ".join(idle_rows)
+    idle_table = [f"| server RSS per open idle stream, {n} streams | {b} | {le} |"
+                  for n, (b, le) in zip(idle, idle_rows, strict=True)]
     heading = (f"{top} streams x {args.rate:g} tok/s, ~{args.tokens} tokens each; "
                f"{args.resumes} of lastevent's streams drop and resume, {args.aborts} of each "
                f"system's are aborted part way. Command: `{' '.join(['python -m bench.harness', *sys.argv[1:]])}`")
-    md = "\n\n".join([heading, report.main_table(*runs[top], extra),
+    md = "\n\n".join([heading, "\n".join([report.main_table(*runs[top], extra), *idle_table]),
                       "Throughput vs concurrency:", report.sweep_table(runs, args.rate),
                       "Where the CPU goes (all of it on one 2-core machine):",
                       report.cpu_table(runs)])
