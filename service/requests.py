@@ -216,11 +216,20 @@ async def sse_frames(
     renderer = ChunkRenderer(rid, created)
     # subscribe first: the tailer starts reading while the lease is written
     sub = ctx.tailer.subscribe(rid, _before(cursor), interruptible=True)
-    if lease is None:
+    if lease is None:  # a (re)connecting reader: read what the log holds meanwhile, rather
+        # than wait for the tailer's wake and next read (the resume latency a client feels)
+        reading = asyncio.ensure_future(ctx.log.read(rid, _before(cursor)))
         try:
             lease = await ctx.presence.acquire(rid)
         except BaseException:
+            reading.cancel()
             sub.close()
+            raise
+        try:
+            sub.offer(await reading)
+        except BaseException:
+            sub.close()
+            await lease.release()
             raise
     lease.adopted = True
     READERS.inc()

@@ -114,7 +114,9 @@ class Subscription:
     def close(self) -> None:
         self.tailer.unsubscribe(self)
 
-    def _offer(self, entries: Batch) -> None:
+    def offer(self, entries: Batch) -> None:
+        """Queue what is newer than this reader's position (the tailer's reads, or a
+        reader's own catch-up read: whichever comes second is filtered)."""
         fresh = [(eid, e) for eid, e in entries if eid > self.position]
         if fresh:
             self.position = fresh[-1][0]
@@ -332,7 +334,7 @@ class _Shard:
             # A reader that subscribed (further back) while this read was in flight would
             # see a gap; it gets these entries from the next read, which starts at its position.
             if sub.position >= start:
-                sub._offer(batch)
+                sub.offer(batch)
         self._reposition(key)
 
 
