@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import socket
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -39,3 +41,14 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
             p.wait(timeout=30)
         except subprocess.TimeoutExpired:
             p.kill()
+
+
+def start_roles(env: dict[str, str], logs: Path) -> list[subprocess.Popen[bytes]]:
+    """A lastevent worker and API process (``lastevent worker`` / ``api``) with ``env``,
+    each logging to ``logs/<role>.log``; worker first."""
+    procs = []
+    for role in ("worker", "api"):
+        with open(logs / f"{role}.log", "wb") as out:
+            procs.append(subprocess.Popen([sys.executable, "-m", "service.cli", role], env=env,
+                                          stdout=out, stderr=out))
+    return procs

@@ -35,7 +35,7 @@ import redis
 
 from bench import report
 from bench.clients import MODEL, Run, drive
-from bench.common import free_port, stop, wait_ok
+from bench.common import free_port, start_roles, stop, wait_ok
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,11 +68,7 @@ def lastevent(model_dir: Path, rate: float, redis_url: str, prefix: str, logs: P
            "LASTEVENT_MAX_STREAMS": "100000",
            **{f"LASTEVENT_{k.upper()}": v for k, v in extra.items()}}
     env.pop("LASTEVENT_DATABASE_URL", None)  # the stream path only, no ledger
-    procs = []
-    for role in ("worker", "api"):
-        with open(logs / f"{role}.log", "wb") as out:
-            procs.append(subprocess.Popen([sys.executable, "-m", "service.cli", role], env=env,
-                                          stdout=out, stderr=out))
+    procs = start_roles(env, logs)
     try:
         wait_ok(f"http://127.0.0.1:{port}/healthz", procs)
         client = redis.Redis.from_url(redis_url)
@@ -199,27 +195,17 @@ def main() -> None:
 @contextlib.contextmanager
 def local_redis() -> Iterator[str]:
     """The Redis on 127.0.0.1:6379 if one answers, else an embedded Valkey for the run."""
-    if _answers("127.0.0.1", 6379):
+    from service.embedded import EmbeddedRedis, answers
+
+    if answers("127.0.0.1", 6379):
         yield "redis://127.0.0.1:6379/0"
         return
-    from service.embedded import EmbeddedRedis
-
     server = EmbeddedRedis(Path(tempfile.mkdtemp(prefix="bench-redis-")))
     print("no Redis on 127.0.0.1:6379: using an embedded Valkey", file=sys.stderr)
     try:
         yield server.start()
     finally:
         server.stop()
-
-
-def _answers(host: str, port: int) -> bool:
-    import socket
-
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
 
 
 def run_all(args: argparse.Namespace, levels: list[int], idle: list[int], redis_url: str) -> None:

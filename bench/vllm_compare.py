@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import free_port, stop, wait_ok
+from bench.common import free_port, start_roles, stop, wait_ok
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = [
@@ -66,11 +65,7 @@ def lastevent_stack(model_dir: Path, redis_url: str, logs: Path) -> Iterator[str
            "LASTEVENT_VLLM_KV_CACHE_GB": "1", "LASTEVENT_VLLM_MAX_MODEL_LEN": "2048",
            "LASTEVENT_WORKER_CONCURRENCY": "64"}
     env.pop("LASTEVENT_DATABASE_URL", None)  # no ledger: measure the stream path only
-    procs = []
-    for role in ("worker", "api"):
-        with open(logs / f"{role}.log", "wb") as out:
-            procs.append(subprocess.Popen([sys.executable, "-m", "service.cli", role], env=env,
-                                          stdout=out, stderr=out))
+    procs = start_roles(env, logs)
     try:
         wait_ok(f"http://127.0.0.1:{port}/healthz", procs)
         deadline = time.monotonic() + 300

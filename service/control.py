@@ -165,23 +165,16 @@ class Presence:
     def forget(self, lease: Lease) -> None:
         self._leases.discard(lease)
 
-    def expiry_ms(self) -> int:
-        return self._expiry()
-
     async def acquire(self, request_id: str, *, adopted: bool = True) -> Lease:
         lease = self.track(request_id, adopted=adopted)
         try:
-            await self._write(lease)
+            await self.control.lease_script(
+                keys=self.control._keys(request_id), args=[lease.token, self.expiry_ms(), 0]
+            )
         except BaseException:  # not written (or cancelled): never refresh it
             self.forget(lease)
             raise
         return lease
-
-    async def _write(self, lease: Lease) -> None:
-        request_id = lease.request_id
-        await self.control.lease_script(
-            keys=self.control._keys(request_id), args=[lease.token, self._expiry(), 0]
-        )
 
     async def release(self, lease: Lease) -> None:
         if lease not in self._leases:
@@ -195,7 +188,7 @@ class Presence:
         except RedisError as exc:  # the lease lapses by itself
             log.warning("could not release lease of %s: %s", lease.request_id, exc)
 
-    def _expiry(self) -> int:
+    def expiry_ms(self) -> int:
         return now_ms() + self.lease_ttl_ms
 
     async def refresh(self) -> None:
@@ -205,7 +198,7 @@ class Presence:
         leases = [le for le in self._leases if le.adopted]
         if not leases:
             return
-        expiry = self._expiry()
+        expiry = self.expiry_ms()
         calls = [
             (self.control._keys(le.request_id), [le.token, expiry, le.delivered]) for le in leases
         ]

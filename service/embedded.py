@@ -108,6 +108,16 @@ def _tail(path: Path, lines: int = _LOG_TAIL_LINES, since: int = 0) -> str:
     return "\n".join(text.splitlines()[-lines:]) or "(log is empty)"
 
 
+def answers(host: str, port: int) -> bool:
+    """Whether something accepts TCP connections there (a local server to use instead
+    of an embedded one)."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
 def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))

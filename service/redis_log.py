@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Sequence
 from importlib import resources
 
@@ -149,6 +150,32 @@ class RedisLog:
                 error = _map_error(ResponseError(status))
                 out.append(error if isinstance(error, LogError) else LogError(status))
         return out
+
+    async def end_errored(
+        self,
+        request_id: str,
+        epoch: int,
+        code: str,
+        message: str,
+        *,
+        ttl_s: int,
+        worker_id: str,
+        prompt_tokens: int = 0,
+    ) -> None:
+        """End a request its worker can no longer finish (it vanished, or failed): an
+        in-band ``error`` and the terminal ``errored`` event, with its outbox entry. The
+        token counts come from the log (``prompt_tokens`` if its ``created`` is gone).
+        Raises ``Fenced`` / ``AlreadyEnded`` like ``append``."""
+        entries = await self.read(request_id)
+        first = entries[0] if entries and isinstance(entries[0][1], ev.Created) else None
+        completion = max((e.n for _, e in entries if isinstance(e, ev.Delta)), default=0)
+        prompt = first[1].prompt_tokens if first else prompt_tokens  # type: ignore[union-attr]
+        end = ev.End(str(ev.State.ERRORED), None, prompt, completion)
+        summary = ev.summarize(request_id, first, end, now_ms=int(time.time() * 1000),  # type: ignore[arg-type]
+                               error_code=code, worker_id=worker_id)
+        await self.append(request_id, epoch, [ev.Error(code, message), end],
+                          terminal_state=end.state, ttl_s=ttl_s,
+                          summary=ev.encode_summary(summary))
 
     async def exists(self, request_id: str) -> bool:
         return bool(await self.redis.exists(self.keys.log(request_id)))

@@ -21,7 +21,6 @@ from redis.exceptions import ResponseError
 from service.keys import JOB_FIELD, QUEUE_GROUP, Keys
 from service.queue import Heartbeat, RequestQueue, decode_job
 from service.redis_log import LogError, RedisLog
-from service.stream.events import Created, Delta, End, Error, State, encode_summary, summarize
 
 log = logging.getLogger(__name__)
 
@@ -92,21 +91,10 @@ class Sweeper:
         epoch = await self.log.claim(rid, self.sweeper_id)
         if epoch is None:  # it ended after all, or expired
             return
-        entries = await self.log.read(rid)
-        first = entries[0] if entries and isinstance(entries[0][1], Created) else None
-        completion = max((e.n for _i, e in entries if isinstance(e, Delta)), default=0)
-        prompt = first[1].prompt_tokens if first else 0
         message = f"the worker running this request ({worker}) stopped responding"
-        events = [
-            Error(code="worker_lost", message=message),
-            End(state=str(State.ERRORED), finish_reason=None, prompt_tokens=prompt,
-                completion_tokens=completion),
-        ]
-        summary = summarize(rid, first, events[-1], now_ms=int(time.time() * 1000),  # type: ignore[arg-type]
-                            error_code="worker_lost", worker_id=worker)
         try:
-            await self.log.append(rid, epoch, events, terminal_state=str(State.ERRORED),
-                                  ttl_s=self.hot_log_ttl_s, summary=encode_summary(summary))
+            await self.log.end_errored(rid, epoch, "worker_lost", message,
+                                       ttl_s=self.hot_log_ttl_s, worker_id=worker)
             log.warning("request %s: worker %s lost; ended errored", rid, worker)
         except LogError as exc:
             log.warning("request %s: could not end it: %s", rid, exc)

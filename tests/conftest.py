@@ -11,24 +11,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from service.embedded import answers
 from service.tokenize import ModelInfo
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _answers(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +50,7 @@ def redis_url(embedded_dir: Path) -> Iterator[str]:
     if url:
         yield url
         return
-    if _answers("127.0.0.1", 6379):
+    if answers("127.0.0.1", 6379):
         yield "redis://127.0.0.1:6379/0"
         return
     from service.embedded import EmbeddedRedis
@@ -77,7 +69,7 @@ def pg_admin_url(embedded_dir: Path) -> Iterator[str]:
     if url:
         yield url
         return
-    if _answers("127.0.0.1", 5432):
+    if answers("127.0.0.1", 5432):
         yield "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
         return
     from service.embedded import EmbeddedPostgres

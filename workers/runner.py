@@ -25,9 +25,7 @@ from service.settings import Settings
 from service.stream.assemble import Assembler
 from service.stream.events import (
     Created,
-    Delta,
     End,
-    Error,
     Event,
     FinishReason,
     State,
@@ -275,17 +273,11 @@ class Runner:
                     if epoch is None:  # ended or expired meanwhile
                         await self.queue.ack(entry_id)
                         return
-                entries = await self.log.read(rid)
-                first = entries[0] if entries and isinstance(entries[0][1], Created) else None
-                completion = max((e.n for _, e in entries if isinstance(e, Delta)), default=0)
-                prompt = first[1].prompt_tokens if first else len(job.prompt_token_ids)
-                end = End(str(State.ERRORED), None, prompt, completion)
-                error = Error("internal_error", "the worker failed while serving this request")
-                summary = summarize(rid, first, end, now_ms=int(time.time() * 1000),  # type: ignore[arg-type]
-                                    error_code="internal_error", worker_id=self.settings.worker_id)
-                await self.log.append(rid, epoch, [error, end], terminal_state=end.state,
-                                      ttl_s=self.settings.hot_log_ttl_s,
-                                      summary=encode_summary(summary))
+                await self.log.end_errored(
+                    rid, epoch, "internal_error", "the worker failed while serving this request",
+                    ttl_s=self.settings.hot_log_ttl_s, worker_id=self.settings.worker_id,
+                    prompt_tokens=len(job.prompt_token_ids),
+                )
                 await self.queue.ack(entry_id)
                 return
             except (Fenced, AlreadyEnded):
