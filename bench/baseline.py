@@ -26,11 +26,12 @@ from litestar.response import Stream
 
 from service.stream import sse
 from service.stream.assemble import Assembler
-from service.stream.events import Created, End, State
+from service.stream.events import Created, End
+from service.stream.lifecycle import State
 from service.stream.ids import EventId
 from service.stream.render import ChunkRenderer, sse_event_frames
 from service.tokenize import ModelInfo
-from workers.engines.base import SamplingParams
+from service.stream.params import SamplingParams
 from workers.engines.scripted import ScriptedEngine
 
 
@@ -54,8 +55,7 @@ def build(model: ModelInfo, tokens_per_s: float, prefill_s: float = 0.0) -> Lite
             return EventId(int(time.time() * 1000), 0)
 
         yield b"".join(sse_event_frames(renderer, now_id(), created, None))
-        params = SamplingParams(max_tokens=int(body.get("max_tokens") or 256),
-                                stop_token_ids=model.eos_token_ids)
+        params = SamplingParams(max_tokens=int(body.get("max_tokens") or 256))
         reason = None
         gen = engine.generate(rid, prompt, params)
         try:  # a client that disconnects closes this generator: that is the baseline's abort

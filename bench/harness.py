@@ -184,7 +184,7 @@ def main() -> None:
     idle = [int(n) for n in args.idle.split(",") if n]
     raise_fd_limit(4 * max([*levels, *idle]) + 1000)
     if not (args.model_dir / "tokenizer.json").exists():
-        from service.model import prepare_model
+        from service.cli.model import prepare_model
 
         prepare_model(args.model_dir)
     with contextlib.ExitStack() as stack:
@@ -195,7 +195,7 @@ def main() -> None:
 @contextlib.contextmanager
 def local_redis() -> Iterator[str]:
     """The Redis on 127.0.0.1:6379 if one answers, else an embedded Valkey for the run."""
-    from service.embedded import EmbeddedRedis, answers
+    from service.cli.embedded import EmbeddedRedis, answers
 
     if answers("127.0.0.1", 6379):
         yield "redis://127.0.0.1:6379/0"

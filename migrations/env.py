@@ -1,4 +1,4 @@
-"""Alembic environment: async engine over asyncpg, metadata from service.db.models."""
+"""Alembic environment: async engine over asyncpg, metadata from service.ledger.models."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from alembic import context
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from service.db.models import Base
+from service.ledger.models import Base
 
 target_metadata = Base.metadata
 

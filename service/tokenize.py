@@ -18,8 +18,27 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 
+INFO_FILE = "lastevent.json"
+
+
 class ModelNotPrepared(RuntimeError):
     pass
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelMeta:
+    """``lastevent.json``, which ``lastevent model prepare`` writes into a model dir."""
+
+    model_name: str
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    chat_template: str
+    max_model_len: int
+
+    def write(self, model_dir: Path) -> None:
+        data = {**dataclasses.asdict(self), "eos_token_ids": list(self.eos_token_ids)}
+        text = json.dumps(data, indent=2) + "\n"
+        (model_dir / INFO_FILE).write_text(text, encoding="utf-8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +53,7 @@ class ModelInfo:
     def load(cls, model_dir: Path, name: str | None = None) -> ModelInfo:
         """From ``lastevent.json`` (written by `lastevent model prepare`), or from a plain
         Hugging Face model directory (tokenizer.json, tokenizer_config.json, config.json)."""
-        meta_path = model_dir / "lastevent.json"
+        meta_path = model_dir / INFO_FILE
         tok_path = model_dir / "tokenizer.json"
         if not tok_path.exists():
             raise ModelNotPrepared(

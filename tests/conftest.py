@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from service.embedded import answers
+from service.cli.embedded import answers
 from service.tokenize import ModelInfo
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    from service.model import prepare_model
+    from service.cli.model import prepare_model
 
     path = Path(
         os.environ.get("LASTEVENT_TEST_MODEL_DIR")
@@ -53,7 +53,7 @@ def redis_url(embedded_dir: Path) -> Iterator[str]:
     if answers("127.0.0.1", 6379):
         yield "redis://127.0.0.1:6379/0"
         return
-    from service.embedded import EmbeddedRedis
+    from service.cli.embedded import EmbeddedRedis
 
     server = EmbeddedRedis(embedded_dir / "redis")
     try:
@@ -72,7 +72,7 @@ def pg_admin_url(embedded_dir: Path) -> Iterator[str]:
     if answers("127.0.0.1", 5432):
         yield "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"
         return
-    from service.embedded import EmbeddedPostgres
+    from service.cli.embedded import EmbeddedPostgres
 
     server = EmbeddedPostgres(embedded_dir / "pg")
     try:
@@ -109,7 +109,7 @@ def drop_database(admin_url: str, name: str) -> None:
 @contextlib.contextmanager
 def migrated_database(admin_url: str) -> Iterator[str]:
     """A fresh database at alembic head, dropped afterwards."""
-    from service.migrate import upgrade
+    from service.ledger.migrate import upgrade
 
     url, name = fresh_database(admin_url)
     try:

@@ -1,4 +1,5 @@
-"""``lastevent worker``: one engine, one process. SIGTERM/SIGINT drain, then exit."""
+"""``lastevent worker``: one engine, one process. SIGTERM/SIGINT drain, then exit.
+``lastevent recorder``: a recorder on its own."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ import signal
 
 from redis.asyncio import Redis
 
-from service.db.ledger import Ledger, make_engine
-from service.keys import Keys
-from service.redis_pool import connect
-from service.recorder import Recorder
+from service.ledger.ledger import Ledger, make_engine
 from service.settings import Settings
+from service.store.keys import Keys
+from service.store.log import RedisLog
+from service.store.outbox import Outbox
+from service.store.pool import connect
 from service.tokenize import ModelInfo
 from workers.engines.base import Engine
+from workers.recorder import Recorder
 from workers.runner import Runner
 
 log = logging.getLogger("lastevent.worker")
@@ -36,13 +39,14 @@ def build_engine(settings: Settings, model: ModelInfo) -> Engine:
     if settings.engine == "cpu":
         from workers.engines.cpu import CpuEngine
 
-        return CpuEngine(settings.resolved_model_dir)
+        return CpuEngine(settings.resolved_model_dir, eos_token_ids=model.eos_token_ids)
     if settings.engine == "vllm":
         from workers.engines.vllm import VllmConfig, VllmEngine
 
         return VllmEngine(
             VllmConfig(
                 model_dir=settings.resolved_model_dir,
+                eos_token_ids=model.eos_token_ids,
                 dtype=settings.vllm_dtype,
                 max_model_len=settings.vllm_max_model_len,
                 tensor_parallel_size=settings.vllm_tensor_parallel_size,
@@ -56,6 +60,19 @@ def build_engine(settings: Settings, model: ModelInfo) -> Engine:
     )
 
 
+def build_recorder(settings: Settings, redis: Redis, ledger: Ledger) -> Recorder:
+    keys = Keys(settings.key_prefix)
+    return Recorder(
+        Outbox(redis, keys),
+        RedisLog(redis, keys),
+        ledger,
+        consumer=settings.worker_id,
+        claim_idle_ms=settings.recorder_claim_idle_ms,
+        retention_s=settings.outbox_retention_s,
+        crash_after_insert=settings.recorder_crash_after_insert,
+    )
+
+
 async def serve(settings: Settings) -> None:
     if not settings.redis_url:
         raise SystemExit("LASTEVENT_REDIS_URL is not set")
@@ -63,8 +80,8 @@ async def serve(settings: Settings) -> None:
     engine = build_engine(settings, model)
     await engine.start()
     redis = connect(settings.redis_url, max_connections=64)
+    runner = Runner(settings, redis, engine, model)
     db = make_engine(settings.database_url) if settings.database_url else None
-    runner = Runner(settings, redis, engine, model, Ledger(db) if db else None)
     recorder = None
     if db is not None and settings.recorder_in_worker:
         recorder = build_recorder(settings, redis, Ledger(db))
@@ -86,23 +103,10 @@ async def serve(settings: Settings) -> None:
             await db.dispose()
 
 
-def build_recorder(settings: Settings, redis: Redis, ledger: Ledger) -> Recorder:
-    return Recorder(
-        redis,
-        Keys(settings.key_prefix),
-        ledger,
-        consumer=settings.worker_id,
-        claim_idle_ms=settings.recorder_claim_idle_ms,
-        retention_s=settings.outbox_retention_s,
-        crash_after_insert=settings.recorder_crash_after_insert,
-    )
-
-
 async def serve_recorder(settings: Settings) -> None:
-    """``lastevent recorder``: a recorder on its own (any number may run)."""
     if not settings.redis_url or not settings.database_url:
         raise SystemExit("LASTEVENT_REDIS_URL and LASTEVENT_DATABASE_URL must be set")
-    redis = Redis.from_url(settings.redis_url)
+    redis = connect(settings.redis_url, max_connections=8)
     db = make_engine(settings.database_url)
     recorder = build_recorder(settings, redis, Ledger(db))
     loop = asyncio.get_running_loop()
@@ -119,6 +123,11 @@ async def serve_recorder(settings: Settings) -> None:
 def main(settings: Settings | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     asyncio.run(serve(settings or Settings.from_env()))
+
+
+def main_recorder(settings: Settings | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    asyncio.run(serve_recorder(settings or Settings.from_env()))
 
 
 if __name__ == "__main__":

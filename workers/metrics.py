@@ -1,5 +1,5 @@
-"""Prometheus counters of a worker process (the /metrics endpoint is the API's for now;
-these counts exist in-process and are logged at shutdown)."""
+"""Prometheus counters of a worker process. They are counted in-process only: a worker
+has no ``/metrics`` endpoint yet (the API's ``/metrics`` serves the API process's)."""
 
 from __future__ import annotations
 

@@ -1,83 +1,65 @@
-"""The worker loop: claim queued requests, run the engine, append events.
+"""The worker loop: claim queued requests, generate, end each with exactly one terminal event.
 
-Per request: take ownership (owner epoch), feed each engine step's token ids to
-the pure ``Assembler`` (detokenizer + holdback), append what it returns through
-the ``AppendBatcher`` (one pipelined round trip for all requests' steps), end
-with exactly one terminal event, ack the job, then record the billing row.
+Per request: take ownership (owner epoch), run it through the engine
+(``generate.Generation``), count what was wasted, append the terminal event with its
+outbox entry (the recorder turns that into the billing row), then ack the job. The
+presence watch (``presence.PresenceWatch``) turns cancels and departed readers into
+abort decisions; a heartbeat tells the API processes this worker is alive.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
-from service.control import ABANDONED, CANCELLED, Control
-from service.db.ledger import Ledger
-from service.keys import Keys
-from service.queue import Heartbeat, Job, RequestQueue
-from service.redis_log import AlreadyEnded, AppendBatcher, Fenced, LogError, RedisLog
 from service.settings import Settings
-from service.stream.assemble import Assembler
-from service.stream.events import (
-    Created,
-    End,
-    Event,
-    FinishReason,
-    State,
-    Summary,
-    encode_summary,
-    summarize,
-)
+from service.store.control import Control
+from service.store.keys import Keys
+from service.store.log import AlreadyEnded, AppendBatcher, Fenced, LogError, RedisLog
+from service.store.queue import Heartbeat, Heartbeats, Job, RequestQueue
+from service.stream.events import Created, End, Summary, encode_summary, summarize
 from service.stream.ids import EventId
+from service.stream.lifecycle import State
 from service.tokenize import ModelInfo
-from workers.engines.base import Engine, EngineError, SamplingParams
+from workers.decide import wasted_tokens
+from workers.engines.base import Engine
+from workers.generate import Generation, Outcome
 from workers.metrics import ABORTS, WASTED_TOKENS
+from workers.presence import PresenceWatch
 
 log = logging.getLogger(__name__)
 
-
-@dataclasses.dataclass(slots=True)
-class _Outcome:
-    events: list[Event]
-    first_token_at: float | None
-    error_code: str | None = None
-    covered_tokens: int | None = None  # tokens made before an abort decision (None: no abort)
-
-
-_DECIDED = {CANCELLED: State.CANCELLED, ABANDONED: State.ABANDONED}
+MAX_CLAIM_BURST = 64  # jobs taken in one queue read
 
 
 class Runner:
-    def __init__(
-        self,
-        settings: Settings,
-        redis: Redis,
-        engine: Engine,
-        model: ModelInfo,
-        ledger: Ledger | None,
-    ) -> None:
+    def __init__(self, settings: Settings, redis: Redis, engine: Engine, model: ModelInfo) -> None:
         self.settings = settings
         self.engine = engine
-        self.model = model
-        self.ledger = ledger
         keys = Keys(settings.key_prefix)
         self.log = RedisLog(redis, keys)
         self.queue = RequestQueue(redis, keys)
+        self.heartbeats = Heartbeats(redis, keys)
         self.control = Control(redis, keys)
         self.batcher = AppendBatcher(self.log)
-        self.redis = redis
-        self.keys = keys
+        self.generation = Generation(engine, model, self.batcher, settings.request_deadline_s)
         self.running: set[str] = set()  # request ids inside the engine
         self.decisions: dict[str, State] = {}  # cancel / abandon decisions not yet applied
-        self._timers: dict[str, asyncio.TimerHandle] = {}  # grace periods running out
+        self.watch = PresenceWatch(
+            self.control,
+            settings.worker_id,
+            check_s=settings.presence_check_s,
+            undecided=lambda: [r for r in self.running if r not in self.decisions],
+            decide=self.decide,
+        )
         self.mean_service_ms = 0.0  # moving average of claim-to-end time
         self._tasks: set[asyncio.Task[None]] = set()
-        self._background: set[asyncio.Task[None]] = set()  # ledger writes
+        self._aborts: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
 
     def stop(self) -> None:
@@ -86,110 +68,49 @@ class Runner:
     async def run(self) -> None:
         await self.queue.ensure_group()
         self.batcher.start()
-        watchers = [
-            asyncio.create_task(self._watch_presence(), name="presence-check"),
-            asyncio.create_task(self._listen_control(), name="control"),
-            asyncio.create_task(self._heartbeat(), name="heartbeat"),
-        ]
-        slots = asyncio.Semaphore(self.settings.worker_concurrency)
+        watchers = [*self.watch.tasks(), asyncio.create_task(self._heartbeat(), name="heartbeat")]
         try:
-            while not self._stopping.is_set():
-                await slots.acquire()
-                taken = 1
-                while taken < 64 and not slots.locked():  # claim a burst in one read
-                    await slots.acquire()
-                    taken += 1
-                try:
-                    jobs = await self.queue.read(self.settings.worker_id, count=taken, block_ms=500)
-                except Exception:
-                    jobs = []
-                    log.exception("queue read failed")
-                    await asyncio.sleep(0.5)
-                for _ in range(taken - len(jobs)):
-                    slots.release()
-                if not jobs:
-                    continue
-                for entry_id, job in jobs:
-                    task = asyncio.create_task(self._serve(entry_id, job), name=job.request_id)
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
-                    task.add_done_callback(lambda _t: slots.release())
+            await self._claim_loop()
             await self._drain()
         finally:
             for task in watchers:
                 task.cancel()
             await asyncio.gather(*watchers, return_exceptions=True)
-            with contextlib.suppress(Exception):
-                await self.redis.hdel(self.keys.workers, self.settings.worker_id)
+            with contextlib.suppress(RedisError):
+                await self.heartbeats.remove(self.settings.worker_id)
             await self.batcher.close()
 
+    async def _claim_loop(self) -> None:
+        slots = asyncio.Semaphore(self.settings.worker_concurrency)
+        while not self._stopping.is_set():
+            await slots.acquire()
+            taken = 1
+            while taken < MAX_CLAIM_BURST and not slots.locked():  # a burst in one read
+                await slots.acquire()
+                taken += 1
+            try:
+                jobs = await self.queue.read(self.settings.worker_id, count=taken, block_ms=500)
+            except Exception:  # Redis trouble, or a job that does not decode
+                jobs = []
+                log.exception("queue read failed")
+                await asyncio.sleep(0.5)
+            for _ in range(taken - len(jobs)):
+                slots.release()
+            for entry_id, job in jobs:
+                task = asyncio.create_task(self._serve(entry_id, job), name=job.request_id)
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                task.add_done_callback(lambda _t: slots.release())
+
     def decide(self, rid: str, state: State) -> None:
-        """Cancel or abandon: abort the engine now; ``_generate`` writes the end."""
+        """Cancel or abandon: abort the engine now; the generation writes the end."""
         if rid not in self.running or rid in self.decisions:
             return
         self.decisions[rid] = state
         ABORTS.labels(reason=str(state)).inc()
         task = asyncio.create_task(self.engine.abort(rid))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _watch_presence(self) -> None:
-        """Every ``presence_check_s``: one round trip asks about all running requests."""
-        while True:
-            await asyncio.sleep(self.settings.presence_check_s)
-            rids = [r for r in self.running if r not in self.decisions]
-            try:
-                verdicts = await self.control.check(rids)
-            except Exception as exc:
-                log.warning("presence check failed: %s", exc)
-                continue
-            for rid, verdict in verdicts.items():
-                self._act_on(rid, verdict)
-
-    def _act_on(self, rid: str, verdict: int) -> None:
-        if verdict in _DECIDED:
-            self.decide(rid, _DECIDED[verdict])
-        elif verdict < 0 and rid not in self._timers:
-            # no reader: look again exactly when the grace period runs out
-            loop = asyncio.get_running_loop()
-            self._timers[rid] = loop.call_later(-verdict / 1000, self._recheck, rid)
-
-    def _recheck(self, rid: str) -> None:
-        self._timers.pop(rid, None)
-        if rid in self.running and rid not in self.decisions:
-            task = asyncio.create_task(self._check_one(rid))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-
-    async def _check_one(self, rid: str) -> None:
-        try:
-            verdict = (await self.control.check([rid])).get(rid, 0)
-        except Exception as exc:
-            log.warning("presence check of %s failed: %s", rid, exc)
-            return
-        self._act_on(rid, verdict)
-
-    async def _listen_control(self) -> None:
-        """Cancels (and nudges) published to this worker's channel, acted on at once."""
-        channel = self.keys.control(self.settings.worker_id)
-        while True:
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.subscribe(channel)
-                async for message in pubsub.listen():
-                    verb, _, rid = message["data"].decode().partition(":")
-                    if verb == "cancel":
-                        self.decide(rid, State.CANCELLED)
-                    elif verb == "check" and rid in self.running:
-                        await self._check_one(rid)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # reconnect; the periodic check covers the gap
-                log.warning("control channel failed (resubscribing): %s", exc)
-                await asyncio.sleep(0.5)
-            finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
 
     async def _heartbeat(self) -> None:
         """Tell the API processes this worker is alive, its slots, and how long requests take
@@ -199,10 +120,8 @@ class Runner:
                 beat = Heartbeat(self.settings.worker_concurrency, len(self._tasks),
                                  int(time.time() * 1000), int(self.mean_service_ms))
                 try:
-                    await self.redis.hset(
-                        self.keys.workers, self.settings.worker_id, beat.encode()
-                    )
-                except Exception as exc:
+                    await self.heartbeats.beat(self.settings.worker_id, beat)
+                except RedisError as exc:
                     log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(1.0)
 
@@ -210,8 +129,8 @@ class Runner:
         """Let running requests finish (bounded by their deadlines)."""
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._background:  # give pending ledger writes a moment
-            await asyncio.wait(self._background, timeout=5)
+        if self._aborts:
+            await asyncio.wait(self._aborts, timeout=5)
 
     async def _serve(self, entry_id: bytes, job: Job) -> None:
         rid = job.request_id
@@ -225,26 +144,12 @@ class Runner:
             first = await self.log.first_with_id(rid)
             self.running.add(rid)
             try:
-                outcome = await self._generate(job, epoch)
+                outcome = await self.generation.run(job, epoch, self.decisions)
             finally:
                 self.running.discard(rid)
                 self.decisions.pop(rid, None)
-                timer = self._timers.pop(rid, None)
-                if timer is not None:
-                    timer.cancel()
-            end = outcome.events[-1]
-            assert isinstance(end, End)
-            end.wasted_tokens = await self._wasted(rid, end, outcome)
-            WASTED_TOKENS.inc(end.wasted_tokens)
-            summary = self._summary(rid, first, end, outcome, dispatched_ms)
-            await self.batcher.append(
-                rid,
-                epoch,
-                outcome.events,
-                terminal_state=end.state,
-                ttl_s=self.settings.hot_log_ttl_s,
-                summary=encode_summary(summary),
-            )
+                self.watch.forget(rid)
+            await self._end(rid, epoch, first, outcome, dispatched_ms)
             await self.queue.ack(entry_id)
             took_ms = time.time() * 1000 - dispatched_ms
             self.mean_service_ms = took_ms if not self.mean_service_ms else (
@@ -258,6 +163,35 @@ class Runner:
         except Exception:
             log.exception("request %s failed in the worker", rid)
             await self._end_after_crash(entry_id, job, epoch)
+
+    async def _end(
+        self,
+        rid: str,
+        epoch: int,
+        first: tuple[EventId, Created] | None,
+        outcome: Outcome,
+        dispatched_ms: int,
+    ) -> None:
+        """The terminal event, with its waste count and outbox summary, in one append."""
+        end = outcome.events[-1]
+        assert isinstance(end, End)
+        delivered: int | None = None
+        try:
+            delivery = await self.control.delivery(rid)
+            delivered = None if delivery.present else delivery.delivered
+        except RedisError:
+            pass  # count only what came after an abort decision
+        end.wasted_tokens = wasted_tokens(end.completion_tokens, outcome.covered_tokens, delivered)
+        WASTED_TOKENS.inc(end.wasted_tokens)
+        summary = self._summary(rid, first, end, outcome, dispatched_ms)
+        await self.batcher.append(
+            rid,
+            epoch,
+            outcome.events,
+            terminal_state=end.state,
+            ttl_s=self.settings.hot_log_ttl_s,
+            summary=encode_summary(summary),
+        )
 
     async def _end_after_crash(self, entry_id: bytes, job: Job, epoch: int | None) -> None:
         """A bug, or Redis failing mid-request: end it ``errored`` (``internal_error``)
@@ -293,7 +227,7 @@ class Runner:
         rid: str,
         first: tuple[EventId, Created] | None,
         end: End,
-        outcome: _Outcome,
+        outcome: Outcome,
         dispatched_ms: int,
     ) -> Summary:
         first_token_ms = None
@@ -309,75 +243,3 @@ class Runner:
             error_code=outcome.error_code,
             worker_id=self.settings.worker_id,
         )
-
-    async def _wasted(self, rid: str, end: End, outcome: _Outcome) -> int:
-        """Tokens generated that no reader got: after an abort decision, and -- when no
-        reader is left -- everything past what the last reader was sent."""
-        covered = end.completion_tokens if outcome.covered_tokens is None else outcome.covered_tokens
-        try:
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.hget(self.keys.meta(rid), "delivered")
-            pipe.zcount(self.keys.readers(rid), int(time.time() * 1000), "+inf")
-            delivered_raw, present = await pipe.execute()
-        except Exception:
-            return end.completion_tokens - covered
-        if not present:
-            covered = min(covered, int(delivered_raw or 0))
-        return max(0, end.completion_tokens - covered)
-
-    async def _generate(self, job: Job, epoch: int) -> _Outcome:
-        rid = job.request_id
-        asm = Assembler(
-            self.model.tokenizer,
-            prompt_tokens=len(job.prompt_token_ids),
-            stop=job.stop,
-            stop_token_ids=self.model.eos_token_ids,
-        )
-        params = SamplingParams(
-            max_tokens=job.max_tokens,
-            temperature=job.temperature,
-            top_p=job.top_p,
-            seed=job.seed,
-            stop_token_ids=self.model.eos_token_ids,
-        )
-        first_token_at: float | None = None
-        covered: int | None = None
-        budget = job.deadline_unix_s - time.time() if job.deadline_unix_s else None
-        reason: str | None = None
-        try:
-            async with asyncio.timeout(budget):
-                gen = self.engine.generate(rid, job.prompt_token_ids, params)
-                async with contextlib.aclosing(gen):  # type: ignore[type-var]
-                    async for out in gen:
-                        if out.token_ids and first_token_at is None:
-                            first_token_at = time.time()
-                        if rid in self.decisions:  # decided: count what the engine still made
-                            covered = asm.completion_tokens if covered is None else covered
-                            asm.completion_tokens += len(out.token_ids)
-                            if out.finished:
-                                break
-                            continue
-                        step = asm.step(out.token_ids)
-                        if step.events:
-                            await self.batcher.append(rid, epoch, step.events)
-                        if step.stopped:  # a stop string completed: free the engine now
-                            await self.engine.abort(rid)
-                            break
-                        if out.finished:
-                            reason = out.finish_reason
-                            break
-        except TimeoutError:
-            await self.engine.abort(rid)
-            msg = f"request exceeded its deadline of {self.settings.request_deadline_s:g} s"
-            return _Outcome(asm.fail("deadline_exceeded", msg), first_token_at, "deadline")
-        except EngineError as exc:
-            return _Outcome(asm.fail(exc.code, str(exc)), first_token_at, exc.code)
-        decided = self.decisions.get(rid)
-        if decided is not None:
-            covered = asm.completion_tokens if covered is None else covered
-            reason_for = {State.CANCELLED: FinishReason.CANCELLED, State.ABANDONED: FinishReason.ABANDONED}
-            events = asm.finish(decided, reason_for[decided])
-            return _Outcome(events, first_token_at, covered_tokens=covered)
-        if reason == "abort":  # the engine aborted on its own (e.g. shutting down)
-            return _Outcome(asm.fail("engine_aborted", "the engine aborted the request"), first_token_at, "engine_aborted")
-        return _Outcome(asm.finish(State.FINISHED, reason), first_token_at)

@@ -1,1 +1,2 @@
-"""Thin Litestar controllers over the request service."""
+"""The HTTP process: the app and its routes, submit, readers, auth, admission, the ASGI
+server and middleware, the sweeper, metrics."""

@@ -1,4 +1,8 @@
-"""Public request schemas (OpenAI's field names), decoded and validated by msgspec."""
+"""Public request schemas (OpenAI's field names), decoded and validated by msgspec.
+
+The sampling fields come from ``service/stream/params.py`` (``RequestSampling``): the
+struct that travels, unchanged, to the engine.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-NonNegFloat = Annotated[float, Meta(ge=0.0)]
-
+from service.stream.params import RequestSampling
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
@@ -29,14 +32,11 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     name: str | None = None
 
 
-class _Sampling(msgspec.Struct, kw_only=True):
+class _Sampling(RequestSampling, kw_only=True):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
-    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    seed: int | None = None
     stop: str | list[str] | None = None
     n: int = 1
     user: str | None = None

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from tokenizers import Tokenizer
 
 from service.stream.detokenize import Detokenizer
-from service.stream.events import Delta, End, Error, Event, FinishReason, State
+from service.stream.events import Delta, End, Error, Event
+from service.stream.lifecycle import FinishReason, State
 from service.stream.holdback import Holdback
 
 

@@ -3,7 +3,8 @@
 Every entry of a request's Redis stream holds one of these structs, encoded with
 msgpack (``array_like``: the field names are not stored). They are the *internal*
 format; readers render OpenAI chunks from them (``render.py``), so one log serves
-chat, text completions and any later API shape.
+chat, text completions and any later API shape. The states an ``End`` names are
+in ``lifecycle.py``.
 """
 
 from __future__ import annotations
@@ -12,33 +13,6 @@ import enum
 from typing import Any
 
 import msgspec
-
-
-class State(enum.StrEnum):
-    """Where a request is. The last four are terminal: exactly one per accepted request."""
-
-    QUEUED = "queued"
-    RUNNING = "running"
-    FINISHED = "finished"  # EOS, stop string, max_tokens / context length
-    CANCELLED = "cancelled"  # POST /v1/requests/{id}/cancel
-    ABANDONED = "abandoned"  # last reader gone longer than the resume grace period
-    ERRORED = "errored"  # engine error, deadline, worker lost
-
-    @property
-    def terminal(self) -> bool:
-        return self in TERMINAL_STATES
-
-
-TERMINAL_STATES = frozenset({State.FINISHED, State.CANCELLED, State.ABANDONED, State.ERRORED})
-
-
-class FinishReason(enum.StrEnum):
-    """OpenAI's finish_reason strings (part of the external API), plus ours for aborts."""
-
-    STOP = "stop"
-    LENGTH = "length"
-    CANCELLED = "cancelled"
-    ABANDONED = "abandoned"
 
 
 class Kind(enum.StrEnum):

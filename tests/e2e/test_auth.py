@@ -13,7 +13,7 @@ import pytest
 from openai import OpenAI
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from service.auth import KeyStore
+from service.ledger.api_keys import ApiKeys
 from tests.e2e.conftest import Stack, running
 from tests.e2e.helpers import chat_body, content_of, read_all
 
@@ -22,7 +22,7 @@ def make_key(database_url: str, tenant: str, **kw: object) -> str:
     async def create() -> str:
         engine = create_async_engine(database_url)
         try:
-            return await KeyStore(engine).create(tenant, **kw)  # type: ignore[arg-type]
+            return await ApiKeys(engine).create(tenant, **kw)  # type: ignore[arg-type]
         finally:
             await engine.dispose()
 

@@ -208,7 +208,7 @@ def test_recorder_killed_between_insert_and_ack(stack: Stack, billing_db: str) -
 
 
 def test_same_terminal_event_twice_is_one_row(stack: Stack, billing_db: str) -> None:
-    from service.db.ledger import Ledger
+    from service.ledger.ledger import Ledger
     from service.stream.events import Summary
 
     summary = Summary(request_id=f"chatcmpl-dup{time.time_ns()}", kind="chat", model="m",

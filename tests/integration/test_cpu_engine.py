@@ -21,8 +21,10 @@ from tokenizers import Tokenizer
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from service.model import INFO_FILE, MARKER_FILE, ModelInfo, is_prepared, prepare_model  # noqa: E402
-from workers.engines.base import EngineError, SamplingParams, StepOutput  # noqa: E402
+from service.cli.model import MARKER_FILE, is_prepared, prepare_model  # noqa: E402
+from service.stream.params import SamplingParams  # noqa: E402
+from service.tokenize import INFO_FILE, ModelInfo  # noqa: E402
+from workers.engines.base import EngineError, StepOutput  # noqa: E402
 from workers.engines.cpu import CpuEngine  # noqa: E402
 
 DEFAULT_MODEL_DIR = (
@@ -49,7 +51,8 @@ def tokenizer(model_dir: Path) -> Tokenizer:
 @pytest.fixture(scope="module")
 def engine(model_dir: Path) -> Iterator[CpuEngine]:
     """One loaded engine for the module; it holds no event-loop state between requests."""
-    cpu = CpuEngine(model_dir, threads=os.cpu_count())
+    eos = ModelInfo.load(model_dir).eos_token_ids
+    cpu = CpuEngine(model_dir, eos_token_ids=eos, threads=os.cpu_count())
     asyncio.run(cpu.start())
     yield cpu
     asyncio.run(cpu.close())
@@ -96,7 +99,8 @@ def test_prepared_dir_is_complete_and_prepare_is_idempotent(
     assert (model_dir / MARKER_FILE).stat().st_mtime_ns == marker_mtime
 
     assert info.eos_token_ids == (tokenizer.token_to_id("<|im_end|>"),)
-    assert info.bos_token_id == tokenizer.token_to_id("<|im_start|>")
+    written = json.loads((model_dir / INFO_FILE).read_text())
+    assert written["bos_token_id"] == tokenizer.token_to_id("<|im_start|>")
     assert info.max_model_len == 8192
     tokenizer_config = json.loads((model_dir / "tokenizer_config.json").read_text())
     assert tokenizer_config["chat_template"] == info.chat_template
@@ -126,7 +130,7 @@ async def test_greedy_generation_is_deterministic_one_token_per_step(
     engine: CpuEngine, info: ModelInfo, tokenizer: Tokenizer
 ) -> None:
     prompt = chat_prompt(info, tokenizer, "What is the capital of France?")
-    params = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=info.eos_token_ids)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
     first = await collect(engine, "greedy-1", prompt, params)
     second = await collect(engine, "greedy-2", prompt, params)
 

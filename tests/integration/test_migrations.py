@@ -12,8 +12,8 @@ from alembic.migration import MigrationContext
 from sqlalchemy import inspect
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from service.db.models import Base
-from service.migrate import alembic_config, upgrade
+from service.ledger.models import Base
+from service.ledger.migrate import alembic_config, upgrade
 from tests.conftest import drop_database, fresh_database
 
 

@@ -19,9 +19,10 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
 
-from service.keys import QUEUE_GROUP, Keys
-from service.queue import Job, RequestQueue, encode_job
-from service.redis_log import (
+from service.store.keys import QUEUE_GROUP, Keys
+from service.store.queue import Job, RequestQueue, encode_job
+from service.stream.params import SamplingParams
+from service.store.log import (
     AlreadyEnded,
     Append,
     AppendBatcher,
@@ -31,7 +32,7 @@ from service.redis_log import (
 )
 from service.stream import events as ev
 from service.stream.ids import EventId
-from service.tail import Batch, LogTailer, Subscription
+from service.store.tail import Batch, LogTailer, Subscription
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -126,8 +127,8 @@ async def test_create_writes_lease_and_job_in_the_same_step(
     queue = RequestQueue(redis, keys)
     await queue.ensure_group()
     request_id = rid()
-    job = Job(request_id=request_id, prompt_token_ids=[1, 2], max_tokens=5, temperature=1.0,
-              top_p=1.0, seed=None, stop=[], deadline_unix_s=0.0)
+    job = Job(request_id=request_id, prompt_token_ids=[1, 2],
+              params=SamplingParams(max_tokens=5), deadline_unix_s=0.0)
     expiry = int(time.time() * 1000) + 10_000
     await rlog.create(request_id, created(), 600, lease=("tok", expiry), job=encode_job(job))
     assert await redis.zrange(keys.readers(request_id), 0, -1, withscores=True) == [
@@ -290,9 +291,9 @@ async def test_batcher_survives_script_flush(
     admin = Redis.from_url(redis_url)
     try:
         await admin.script_flush()
-        assert await admin.script_exists(rlog.append_script.sha) == [False]
+        assert await admin.script_exists(rlog._append.sha) == [False]
         second = await batcher.append(request_id, epoch, [delta(2)])
-        assert await admin.script_exists(rlog.append_script.sha) == [True]
+        assert await admin.script_exists(rlog._append.sha) == [True]
     finally:
         await admin.aclose()
     assert first[0] < second[0]
@@ -471,7 +472,8 @@ async def test_queue_two_consumers_no_duplicates_and_ack(redis: Redis, keys: Key
     queue = RequestQueue(redis, keys)
     await queue.ensure_group()
     await queue.ensure_group()  # BUSYGROUP is fine
-    jobs = [Job(request_id=rid(), prompt_token_ids=[1, i], max_tokens=8, seed=i) for i in range(3)]
+    jobs = [Job(request_id=rid(), prompt_token_ids=[1, i],
+                params=SamplingParams(max_tokens=8, seed=i)) for i in range(3)]
     for job in jobs:
         await queue.enqueue(job)
     await queue.ensure_group()  # also on a stream that has entries
@@ -480,7 +482,7 @@ async def test_queue_two_consumers_no_duplicates_and_ack(redis: Redis, keys: Key
     a = await queue.read("c1", count=2, block_ms=100)
     b = await queue.read("c2", count=2, block_ms=100)
     assert (len(a), len(b)) == (2, 1)
-    assert sorted((j for _, j in a + b), key=lambda j: j.seed or 0) == jobs
+    assert sorted((j for _, j in a + b), key=lambda j: j.params.seed or 0) == jobs
     assert await queue.read("c1", count=2, block_ms=50) == []
     pending = await redis.xpending(keys.queue, QUEUE_GROUP)
     assert pending["pending"] == 3
@@ -495,7 +497,7 @@ async def test_queue_two_consumers_no_duplicates_and_ack(redis: Redis, keys: Key
 async def test_pool_waits_for_a_connection_instead_of_failing(redis_url: str, key_prefix: str) -> None:
     """A burst larger than the pool (the worker claiming 64 jobs on 64 connections while
     appends and heartbeats need some too) queues on the pool; none of it fails."""
-    from service.redis_pool import connect
+    from service.store.pool import connect
 
     client = connect(redis_url, max_connections=2)
     try:
@@ -522,7 +524,8 @@ async def test_terminal_append_without_events_points_the_outbox_at_the_last_entr
 async def test_a_lease_that_could_not_be_written_is_not_kept(redis: Redis, keys: Keys):
     """A reader that goes away while its lease is being written (or a Redis error then)
     must not leave a lease this process refreshes for ever."""
-    from service.control import Control, Presence
+    from service.store.control import Control
+    from service.store.presence import Presence
 
     control = Control(redis, keys)
     presence = Presence(control)
@@ -530,7 +533,7 @@ async def test_a_lease_that_could_not_be_written_is_not_kept(redis: Redis, keys:
     async def failing(*_a: object, **_k: object) -> None:
         raise ConnectionError("redis went away")
 
-    control.lease_script = failing  # type: ignore[method-assign,assignment]
+    control.lease = failing  # type: ignore[method-assign,assignment]
     with pytest.raises(ConnectionError):
         await presence.acquire(rid())
     assert len(presence) == 0

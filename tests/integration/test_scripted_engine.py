@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from service.tokenize import ModelInfo
-from workers.engines.base import SamplingParams
+from service.stream.params import SamplingParams
 from workers.engines.scripted import ScriptedEngine
 
 
@@ -13,7 +13,7 @@ async def test_abort_lands_inside_a_step_not_after_it(model: ModelInfo) -> None:
     """A step takes 100 s here; abort must end the request now (the abort latency the
     benchmark measures is lastevent's, not a wait for the engine's next step)."""
     engine = ScriptedEngine(model, tokens_per_s=0.01, text="one two three")
-    params = SamplingParams(max_tokens=10, stop_token_ids=model.eos_token_ids)
+    params = SamplingParams(max_tokens=10)
     gen = engine.generate("r1", model.encode("hi"), params)
     step = asyncio.ensure_future(anext(gen))
     await asyncio.sleep(0.05)
@@ -28,7 +28,7 @@ async def test_abort_lands_inside_a_step_not_after_it(model: ModelInfo) -> None:
 
 async def test_unaborted_request_yields_its_script_then_eos(model: ModelInfo) -> None:
     engine = ScriptedEngine(model, tokens_per_s=1000, text="one two three")
-    params = SamplingParams(max_tokens=100, stop_token_ids=model.eos_token_ids)
+    params = SamplingParams(max_tokens=100)
     outs = [o async for o in engine.generate("r2", model.encode("hi"), params)]
     ids = [t for o in outs for t in o.token_ids]
     assert ids[:-1] == model.encode("one two three") and ids[-1] in model.eos_token_ids

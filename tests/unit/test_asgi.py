@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from service.asgi import SendTimeout, SendTimeoutMiddleware
+from service.api.asgi import SendTimeout, SendTimeoutMiddleware
 
 
 async def streaming_app(scope: dict[str, Any], receive: Any, send: Any) -> None:

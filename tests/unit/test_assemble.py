@@ -6,7 +6,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from service.stream.assemble import Assembler
-from service.stream.events import Delta, End, State
+from service.stream.events import Delta, End
+from service.stream.lifecycle import State
 from service.tokenize import ModelInfo
 from tests.unit.test_holdback import reference_cut
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.tail import Mailbox
+from service.store.tail import Mailbox
 
 
 @given(st.lists(st.lists(st.integers(), max_size=3), max_size=20))

@@ -12,13 +12,13 @@ import pytest
 import pytest_asyncio
 from redis.asyncio import Redis
 
-from service.keys import Keys
-from service.queue import Job, RequestQueue
-from service.redis_log import RedisLog
+from service.store.keys import Keys
+from service.store.queue import Job, RequestQueue
+from service.store.log import RedisLog
 from service.settings import Settings
 from service.stream.events import Created, Delta, End
 from service.tokenize import ModelInfo
-from workers.engines.base import SamplingParams
+from service.stream.params import SamplingParams
 
 pytestmark = [
     pytest.mark.vllm,
@@ -43,7 +43,7 @@ def chat_ids(model: ModelInfo, text: str) -> list[int]:
 
 
 async def test_max_tokens_exactly(engine, model: ModelInfo) -> None:  # type: ignore[no-untyped-def]
-    params = SamplingParams(max_tokens=7, temperature=0.0, stop_token_ids=model.eos_token_ids)
+    params = SamplingParams(max_tokens=7, temperature=0.0)
     outs = [o async for o in engine.generate("len-" + uuid.uuid4().hex, chat_ids(model, "Count to fifty."), params)]
     assert sum(len(o.token_ids) for o in outs) == 7
     assert outs[-1].finished and outs[-1].finish_reason == "length"
@@ -93,7 +93,7 @@ async def test_runner_appends_one_step_of_all_requests_in_one_round_trip(
     redis = Redis.from_url(redis_url)
     keys = Keys(key_prefix)
     log, queue = RedisLog(redis, keys), RequestQueue(redis, keys)
-    runner = Runner(settings, redis, engine, model, None)  # type: ignore[arg-type]
+    runner = Runner(settings, redis, engine, model)
     task = asyncio.create_task(runner.run())
     try:
         rids = [f"chatcmpl-{uuid.uuid4().hex}" for _ in range(6)]
@@ -101,8 +101,9 @@ async def test_runner_appends_one_step_of_all_requests_in_one_round_trip(
             ids = chat_ids(model, "Tell me about the sea.")
             await log.create(rid, Created(kind="chat", model="m", created=0, prompt_tokens=len(ids)),
                              600, detached=True)
-            await queue.enqueue(Job(request_id=rid, prompt_token_ids=ids, max_tokens=24,
-                                    temperature=0.0, deadline_unix_s=time.time() + 120))
+            await queue.enqueue(Job(request_id=rid, prompt_token_ids=ids,
+                                    params=SamplingParams(max_tokens=24, temperature=0.0),
+                                    deadline_unix_s=time.time() + 120))
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             lasts = [await log.last(r) for r in rids]

@@ -7,7 +7,10 @@ the engine failed. ``abort(request_id)`` stops a running request at the engine's
 next step; its ``generate`` then returns (``StepOutput.aborted``).
 
 Detokenization and stop strings are *not* the engine's job: the runner does both
-so that every engine behaves the same.
+so that every engine behaves the same. ``params`` is the request's
+``SamplingParams`` exactly as the API accepted it; an engine stops on the model's
+EOS ids, which it is given when it is built. ``tests/engine_contract.py`` is the
+behaviour every engine must show.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from service.stream.params import SamplingParams
+
 
 class EngineError(Exception):
     """The engine failed while running a request; the request ends ``errored``."""
@@ -23,15 +28,6 @@ class EngineError(Exception):
     def __init__(self, message: str, code: str = "engine_error") -> None:
         super().__init__(message)
         self.code = code
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SamplingParams:
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()  # EOS and friends; finish_reason "stop"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

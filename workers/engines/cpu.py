@@ -20,11 +20,12 @@ import functools
 import inspect
 import secrets
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from workers.engines.base import EngineError, SamplingParams, StepOutput
+from service.stream.params import SamplingParams
+from workers.engines.base import EngineError, StepOutput
 
 _ABORTED = StepOutput([], finished=True, finish_reason="abort")
 _REMEMBERED_EARLY_ABORTS = 1024
@@ -45,8 +46,12 @@ class CpuEngine:
 
     name = "cpu"
 
-    def __init__(self, model_dir: Path, *, threads: int | None = None) -> None:
+    def __init__(
+        self, model_dir: Path, *, eos_token_ids: Sequence[int] = (), threads: int | None = None
+    ) -> None:
+        """``eos_token_ids``: the ids that end a request (``finish_reason`` ``stop``)."""
         self.model_dir = Path(model_dir)
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.threads = threads
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._model: Any = None
@@ -174,7 +179,7 @@ class CpuEngine:
         generator = torch.Generator().manual_seed(
             params.seed if params.seed is not None else secrets.randbits(63)
         )
-        stop_ids = frozenset(params.stop_token_ids)
+        stop_ids = self.eos_token_ids
         with torch.inference_mode():
             logits, cache = self._forward(torch.tensor([prompt], dtype=torch.long), None)
             for produced in range(1, budget + 1):

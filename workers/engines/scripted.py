@@ -18,7 +18,8 @@ import time
 from collections.abc import AsyncIterator
 
 from service.tokenize import ModelInfo
-from workers.engines.base import EngineError, SamplingParams, StepOutput
+from service.stream.params import SamplingParams
+from workers.engines.base import EngineError, StepOutput
 
 _USER_OPEN = "<|im_start|>user\n"
 _TURN_CLOSE = "<|im_end|>"
@@ -71,7 +72,7 @@ class ScriptedEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[StepOutput]:
         script = self.script_for(prompt_token_ids)
-        eos = params.stop_token_ids[:1] or self._model.eos_token_ids[:1]
+        eos = self._model.eos_token_ids[:1]
         self.running.add(request_id)
         self._abort_events[request_id] = aborted = asyncio.Event()
         try:

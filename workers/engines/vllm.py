@@ -21,7 +21,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from workers.engines.base import EngineError, SamplingParams, StepOutput
+from service.stream.params import SamplingParams
+from workers.engines.base import EngineError, StepOutput
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -29,6 +30,7 @@ _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 @dataclasses.dataclass(frozen=True, slots=True)
 class VllmConfig:
     model_dir: Path
+    eos_token_ids: tuple[int, ...] = ()  # stop ids besides the ones vLLM reads from the model
     dtype: str = "auto"  # float32 on CPU (fastest start there), bfloat16/float16 on GPU
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
@@ -87,7 +89,7 @@ class VllmEngine:
             temperature=params.temperature,
             top_p=params.top_p,
             seed=params.seed,
-            stop_token_ids=list(params.stop_token_ids),
+            stop_token_ids=list(self.config.eos_token_ids),
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,  # our protocol code detokenizes and applies stop strings
         )

@@ -1,0 +1,109 @@
+"""Admission before the first byte: 429 for a key over its own limits, 503 when the
+service is over capacity (no live worker, a queue that would wait too long, or this
+API process at its stream cap). Both carry Retry-After. Limits live in Redis, so
+they hold across API replicas.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from service.errors import ApiError, ServiceUnavailable
+from service.settings import Settings
+from service.store.limits import Admitted, Limits
+from service.store.queue import Heartbeats
+
+
+class RateLimited(ApiError):
+    status_code = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, *, retry_after_s: int, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.headers.setdefault("Retry-After", str(max(1, retry_after_s)))
+
+
+def who(tenant: str, key_id: str | None) -> str:
+    """What limits are counted against: the key, or the tenant when there is no key."""
+    return f"k:{key_id}" if key_id else f"t:{tenant}"
+
+
+class Admission:
+    def __init__(self, limits: Limits, heartbeats: Heartbeats, settings: Settings) -> None:
+        self.limits = limits
+        self.heartbeats = heartbeats
+        self.settings = settings
+        self._capacity_checked = 0.0
+        self._capacity_error: ServiceUnavailable | None = None
+
+    async def admit(self, principal: str, request_id: str) -> None:
+        s = self.settings
+        if not s.max_concurrent_per_key and not s.rate_limit_rpm:
+            return
+        now = int(time.time() * 1000)
+        verdict, retry_ms = await self.limits.admit(
+            principal,
+            request_id,
+            now_ms=now,
+            max_in_flight=s.max_concurrent_per_key,
+            per_minute=s.rate_limit_rpm,
+            slot_expiry_ms=now + int((s.request_deadline_s + s.hot_log_ttl_s) * 1000),
+        )
+        if verdict == Admitted.TOO_MANY_IN_FLIGHT:
+            raise RateLimited(
+                f"this key already has {s.max_concurrent_per_key} requests in flight "
+                f"(the limit is {s.max_concurrent_per_key})",
+                retry_after_s=math.ceil(retry_ms / 1000),
+                code="too_many_concurrent_requests",
+            )
+        if verdict == Admitted.OVER_RATE:
+            raise RateLimited(
+                f"this key is over its limit of {s.rate_limit_rpm} requests per minute",
+                retry_after_s=math.ceil(retry_ms / 1000),
+                code="rate_limit_exceeded",
+            )
+
+    async def release(self, principal: str, request_id: str) -> None:
+        if self.settings.max_concurrent_per_key:
+            await self.limits.release(principal, request_id)
+
+    async def check_capacity(self, open_streams: int) -> None:
+        s = self.settings
+        if open_streams >= s.max_streams:
+            raise ServiceUnavailable(
+                f"this API process has {open_streams} open streams (its cap is {s.max_streams})",
+                retry_after_s=1,
+                code="server_busy",
+            )
+        now = time.monotonic()
+        if now - self._capacity_checked > 0.5:  # shared by the requests of half a second
+            self._capacity_checked = now
+            self._capacity_error = await self._queue_verdict()
+        if self._capacity_error is not None:
+            raise self._capacity_error
+
+    async def _queue_verdict(self) -> ServiceUnavailable | None:
+        s = self.settings
+        live, depth = await self.heartbeats.live_with_depth(s.worker_stale_s)
+        if not live:
+            return ServiceUnavailable(
+                "no worker is available to run the request",
+                retry_after_s=math.ceil(s.worker_stale_s),
+                code="no_worker",
+            )
+        slots = sum(b.slots for b in live)
+        busy = sum(b.busy for b in live)
+        waiting = max(0.0, depth - busy)
+        mean_s = max(0.001, sum(b.mean_service_ms for b in live) / len(live) / 1000)
+        expected_wait_s = max(0.0, waiting - (slots - busy)) / max(slots, 1) * mean_s
+        if expected_wait_s > s.max_queue_wait_s:
+            return ServiceUnavailable(
+                f"the queue would make this request wait about {expected_wait_s:.0f} s "
+                f"(the limit is {s.max_queue_wait_s:g} s): {int(waiting)} waiting for "
+                f"{int(slots)} worker slots",
+                retry_after_s=math.ceil(min(expected_wait_s, 60)),
+                code="overloaded",
+            )
+        return None

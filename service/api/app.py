@@ -1,0 +1,181 @@
+"""create_app(settings) -> Litestar. The lifespan owns the Redis pools, the DB engine,
+the multiplexed log tailer, presence and the sweeper; the tokenizer is loaded first."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from litestar import Litestar, Request, Response
+from litestar.di import Provide
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi import OpenAPIConfig
+
+from service.api.admission import Admission
+from service.api.auth import Authenticator, Principal
+from service.api.context import Context, Drain
+from service.api.metrics import REJECTED
+from service.api.routes.admin import AdminController
+from service.api.routes.completions import CompletionsController
+from service.api.routes.requests import RequestsController
+from service.api.routes.system import SystemController
+from service.api.sweeper import Sweeper
+from service.errors import ApiError
+from service.ledger.api_keys import ApiKeys
+from service.ledger.ledger import Ledger, make_engine
+from service.settings import Settings
+from service.store.control import Control
+from service.store.keys import Keys
+from service.store.limits import Limits
+from service.store.log import RedisLog
+from service.store.pool import connect
+from service.store.presence import Presence
+from service.store.queue import Heartbeats, RequestQueue
+from service.store.tail import LogTailer
+from service.tokenize import ModelInfo
+
+log = logging.getLogger("lastevent.api")
+
+
+def _error_response(exc: ApiError) -> Response[Any]:
+    REJECTED.labels(status=str(exc.status_code)).inc()
+    return Response(exc.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+def _api_error(_: Request[Any, Any, Any], exc: ApiError) -> Response[Any]:
+    return _error_response(exc)
+
+
+def _http_error(_: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
+    """Litestar's own errors (validation, 404 routes, 413) in OpenAI's error shape."""
+    status = exc.status_code
+    message = exc.detail
+    param = None
+    if isinstance(exc, ValidationException) and isinstance(exc.extra, list) and exc.extra:
+        first = exc.extra[0]
+        if isinstance(first, dict):
+            message = f"{exc.detail}: {first.get('message', '')}".rstrip(": ")
+            param = str(first.get("key") or "") or None
+    REJECTED.labels(status=str(status)).inc()
+    kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return Response(body, status_code=status, headers=dict(exc.headers or {}))
+
+
+def _internal_error(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    log.error("unhandled error", exc_info=exc)
+    body = {"error": {"message": "internal server error", "type": "server_error",
+                      "param": None, "code": None}}
+    return Response(body, status_code=500)
+
+
+def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
+    model = ModelInfo.load(settings.resolved_model_dir, settings.model_name)
+    drain = drain or Drain()
+    if settings.auth == "required" and not settings.database_url:
+        raise RuntimeError("API keys live in Postgres: set LASTEVENT_DATABASE_URL or LASTEVENT_AUTH=off")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        if not settings.redis_url:
+            raise RuntimeError("LASTEVENT_REDIS_URL is not set (use `lastevent up` for embedded)")
+        redis = connect(settings.redis_url, max_connections=256)
+        # the tailer's XREAD BLOCK outlives redis-py's default 5 s socket timeout
+        tail_redis = connect(
+            settings.redis_url, max_connections=64, socket_timeout=settings.tail_block_ms / 1000 + 5
+        )
+        keys = Keys(settings.key_prefix)
+        tailer = LogTailer(
+            tail_redis,
+            keys,
+            block_ms=settings.tail_block_ms,
+            count=settings.tail_count,
+            shard_size=settings.tail_shard_size,
+            keepalive_s=settings.keepalive_s,
+            writer=redis,
+        )
+        engine = make_engine(settings.database_url) if settings.database_url else None
+        control = Control(redis, keys)
+        presence = Presence(
+            control, lease_ttl_s=settings.lease_ttl_s, refresh_s=settings.lease_refresh_s
+        )
+        log_ = RedisLog(redis, keys)
+        heartbeats = Heartbeats(redis, keys)
+        app.state.ctx = Context(
+            settings=settings,
+            redis=redis,
+            log=log_,
+            tailer=tailer,
+            model=model,
+            ledger=Ledger(engine) if engine else None,
+            control=control,
+            presence=presence,
+            auth=Authenticator(
+                ApiKeys(engine) if engine else None,
+                auth=settings.auth,
+                cache_s=settings.auth_cache_s,
+            ),
+            admission=Admission(Limits(redis, keys), heartbeats, settings),
+            drain=drain,
+        )
+        drain.bind(asyncio.get_running_loop())
+        assert drain.future is not None
+        drain.future.add_done_callback(lambda _f: tailer.interrupt())
+        await tailer.start()
+        await presence.start()
+        sweeper = Sweeper(
+            log_,
+            RequestQueue(redis, keys),
+            heartbeats,
+            sweeper_id=f"sweeper-{uuid.uuid4().hex[:8]}",
+            stale_s=settings.worker_stale_s,
+            hot_log_ttl_s=settings.hot_log_ttl_s,
+        )
+        sweeping = asyncio.create_task(sweeper.run(), name="sweeper")
+        try:
+            yield
+        finally:
+            sweeping.cancel()
+            await asyncio.gather(sweeping, return_exceptions=True)
+            await presence.stop()
+            await tailer.stop()
+            if engine is not None:
+                await engine.dispose()
+            await redis.aclose()
+            await tail_redis.aclose()
+
+    def provide_ctx(request: Request[Any, Any, Any]) -> Context:
+        ctx: Context = request.app.state.ctx
+        return ctx
+
+    async def provide_principal(request: Request[Any, Any, Any]) -> Principal:
+        ctx: Context = request.app.state.ctx
+        return await ctx.auth.principal(request.headers.get("authorization"))
+
+    return Litestar(
+        route_handlers=[
+            CompletionsController,
+            RequestsController,
+            SystemController,
+            AdminController,
+        ],
+        dependencies={
+            "ctx": Provide(provide_ctx, sync_to_thread=False),
+            "principal": Provide(provide_principal),
+        },
+        exception_handlers={
+            ApiError: _api_error,
+            HTTPException: _http_error,
+            Exception: _internal_error,
+        },
+        lifespan=[lifespan],
+        request_max_body_size=settings.max_body_bytes,
+        openapi_config=OpenAPIConfig(title="lastevent", version="0.1.0", path="/schema"),
+        type_encoders={msgspec.Struct: msgspec.to_builtins},
+        debug=False,
+    )

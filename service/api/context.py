@@ -1,0 +1,59 @@
+"""What every handler gets: the process's clients and stores, built once in the lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from redis.asyncio import Redis
+
+from service.api.admission import Admission
+from service.api.auth import Authenticator
+from service.ledger.ledger import Ledger
+from service.settings import Settings
+from service.store.control import Control
+from service.store.log import RedisLog
+from service.store.presence import Presence
+from service.store.tail import LogTailer
+from service.tokenize import ModelInfo
+
+
+class Drain:
+    """Set when the API process starts to shut down: readers tell their clients to
+    reconnect (elsewhere) and close, so the process can exit within its drain time."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.future: asyncio.Future[None] | None = None  # one for all readers: no task each
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.future = loop.create_future()
+
+    def start(self) -> None:
+        """Safe to call from a signal handler."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._set)
+
+    def _set(self) -> None:
+        if self.future is not None and not self.future.done():
+            self.future.set_result(None)
+
+    @property
+    def draining(self) -> bool:
+        return self.future is not None and self.future.done()
+
+
+@dataclasses.dataclass(slots=True)
+class Context:
+    settings: Settings
+    redis: Redis
+    log: RedisLog
+    tailer: LogTailer
+    model: ModelInfo
+    ledger: Ledger | None
+    control: Control
+    presence: Presence
+    auth: Authenticator
+    admission: Admission
+    drain: Drain

@@ -1,0 +1,140 @@
+"""Readers: a request's log read back as SSE bytes, or collected into one JSON answer.
+
+A reader holds a presence lease while it is connected, follows the log through the
+process's ``LogTailer`` and renders each event with the pure ``ChunkRenderer``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from service.api.admission import who
+from service.api.context import Context
+from service.api.metrics import READERS
+from service.store.presence import Lease
+from service.store.tail import IDLE, Interrupted
+from service.stream import sse
+from service.stream.events import Created, Delta, End, Event
+from service.stream.ids import Cursor, EventId
+from service.stream.render import ChunkRenderer, ResponseAggregate, coalesce, sse_event_frames
+
+
+def _before(cursor: Cursor | None) -> EventId | None:
+    """Where the tail must start so that a partly delivered event is read again."""
+    if cursor is None:
+        return None
+    if cursor.frame is None:
+        return cursor.event
+    e = cursor.event
+    return EventId(e.ms, e.seq - 1) if e.seq > 0 else EventId(e.ms - 1, 2**64 - 1)
+
+
+async def sse_frames(
+    ctx: Context,
+    rid: str,
+    created: Created,
+    cursor: Cursor | None = None,
+    lease: Lease | None = None,
+) -> AsyncIterator[bytes]:
+    """The request's log as SSE bytes, from ``cursor`` on, until its terminal event.
+
+    The reader holds a presence lease for as long as it is connected."""
+    renderer = ChunkRenderer(rid, created)
+    # subscribe first: the tailer starts reading while the lease is written
+    sub = ctx.tailer.subscribe(rid, _before(cursor), interruptible=True)
+    if lease is None:  # a (re)connecting reader: read what the log holds meanwhile, rather
+        # than wait for the tailer's wake and next read (the resume latency a client feels)
+        reading = asyncio.ensure_future(ctx.log.read(rid, _before(cursor)))
+        try:
+            lease = await ctx.presence.acquire(rid)
+        except BaseException:
+            reading.cancel()
+            sub.close()
+            raise
+        try:
+            sub.offer(await reading)
+        except BaseException:
+            sub.close()
+            await lease.release()
+            raise
+    lease.adopted = True
+    READERS.inc()
+    try:
+        while True:
+            batch = await sub.queue.get()  # no timer per wait: the tailer's ticker sends IDLE
+            if batch is IDLE:
+                yield sse.KEEPALIVE
+                continue
+            if isinstance(batch, Interrupted):  # shutting down: reconnect elsewhere
+                yield sse.retry(ctx.settings.reconnect_hint_ms)
+                return
+            if isinstance(batch, BaseException):
+                raise batch
+            if sub.queue.qsize() >= ctx.settings.coalesce_backlog:
+                # this reader fell behind (its client reads slowly): take everything
+                # waiting and send runs of deltas as one event each
+                while not sub.queue.empty():
+                    more = sub.queue.get_nowait()
+                    if more is IDLE:
+                        continue
+                    if isinstance(more, BaseException):  # send what we have first
+                        sub.queue.unget(more)
+                        break
+                    batch = batch + more
+                batch = coalesce(batch)
+            out: list[bytes] = []
+            ended = False
+            delivered = lease.delivered
+            for eid, event in batch:
+                if isinstance(event, Delta):
+                    delivered = max(delivered, event.n)
+                out.extend(sse_event_frames(renderer, eid, event, cursor))
+                if isinstance(event, End):
+                    ended = True
+                    await ctx.admission.release(who(created.tenant, created.api_key_id), rid)
+                    break
+            if out:
+                yield b"".join(out)
+            lease.delivered = delivered  # the send completed: it reached the connection
+            if ended:
+                return
+    finally:
+        sub.close()
+        READERS.dec()
+        await lease.release()
+
+
+async def collect(ctx: Context, rid: str, created: Created, lease: Lease) -> ResponseAggregate:
+    """Wait for the whole answer (a non-streaming client, holding ``lease`` meanwhile)."""
+    agg = ResponseAggregate(rid, created)
+    lease.adopted = True
+    sub = ctx.tailer.subscribe(rid, None)
+    READERS.inc()
+    try:
+        async for batch in sub.batches():
+            for _eid, event in batch:
+                agg.add(event)
+                if isinstance(event, End):
+                    lease.delivered = event.completion_tokens
+                    await ctx.admission.release(who(created.tenant, created.api_key_id), rid)
+                    return agg
+    finally:
+        sub.close()
+        READERS.dec()
+        await lease.release()
+    return agg
+
+
+async def cold_frames(
+    rid: str, entries: list[tuple[EventId, Event]], cursor: Cursor | None
+) -> AsyncIterator[bytes]:
+    """An archived log as SSE: the same ids and bytes the hot log gave."""
+    created = entries[0][1]
+    assert isinstance(created, Created)
+    renderer = ChunkRenderer(rid, created)
+    out: list[bytes] = []
+    for eid, event in entries:
+        out.extend(sse_event_frames(renderer, eid, event, cursor))
+    if out:
+        yield b"".join(out)

@@ -1,0 +1,1 @@
+"""The routes: thin Litestar controllers over ``service/api``."""

@@ -1,0 +1,63 @@
+"""Operator-only routes: an API key with the ``operator`` role (operators may replay
+any tenant's request), or the break-glass ``LASTEVENT_OPERATOR_TOKEN``."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from litestar import Controller, Request, get
+from litestar.response import Stream
+
+from service.api.context import Context
+from service.api.schemas import error_responses
+from service.errors import Forbidden, InvalidRequest, NotFound
+from service.stream import replay, sse
+
+
+async def _require_operator(ctx: Context, request: Request[Any, Any, Any]) -> None:
+    """An API key with the operator role, or the break-glass operator token."""
+    token = ctx.settings.operator_token
+    given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    if token and hmac.compare_digest(given.encode(), token.encode()):
+        return
+    principal = await ctx.auth.principal(request.headers.get("authorization"))
+    if principal.role != "operator":
+        raise Forbidden("this route needs an API key with the operator role", code="forbidden")
+
+
+class AdminController(Controller):
+    path = "/v1/admin"
+    tags = ["admin"]
+
+    @get(
+        "/requests/{request_id:str}/replay",
+        summary="Replay an answer as clients received it",
+        responses=error_responses(400, 401, 403, 404),
+    )
+    async def replay(
+        self,
+        ctx: Context,
+        request: Request[Any, Any, Any],
+        request_id: str,
+        speed: str = "max",
+        format: str = "sse",  # noqa: A002 - the public parameter name
+    ) -> Stream:
+        await _require_operator(ctx, request)
+        if format not in ("sse", "text", "json"):
+            raise InvalidRequest("format must be sse, text or json", param="format")
+        try:
+            rate = None if speed == "max" else float(speed)
+        except ValueError:
+            raise InvalidRequest("speed must be a number or 'max'", param="speed") from None
+        entries = await ctx.log.read(request_id)
+        if not entries and ctx.ledger is not None:
+            entries = await ctx.ledger.archived(request_id) or []
+        if not entries:
+            raise NotFound(f"no request '{request_id}'", param="request_id", code="not_found")
+        media = {"sse": sse.MEDIA_TYPE, "text": "text/plain", "json": "application/x-ndjson"}
+        return Stream(
+            replay.render(request_id, entries, speed=rate, fmt=format),
+            media_type=media[format],
+            headers=dict(sse.HEADERS),
+        )

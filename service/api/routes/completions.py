@@ -1,0 +1,147 @@
+"""POST /v1/chat/completions and POST /v1/completions."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from litestar import Controller, Request, Response, post
+from litestar.response import Stream
+
+from service.api.auth import Principal
+from service.api.context import Context
+from service.api.metrics import REQUESTS
+from service.api.readers import collect, sse_frames
+from service.api.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_responses,
+    message_dicts,
+)
+from service.api.submit import Submission, check_model, submission, submit
+from service.errors import ApiError, InvalidRequest
+from service.stream import sse
+from service.stream.events import Kind
+from service.stream.lifecycle import State
+from service.stream.render import error_object
+
+REQUEST_ID_HEADER = "X-Request-Id"
+T = TypeVar("T")
+
+
+async def _answer(
+    ctx: Context,
+    request: Request[Any, Any, Any],
+    body: Any,
+    sub: Submission,
+    principal: Principal,
+) -> Response[Any] | Stream:
+    rid, created, lease = await submit(ctx, sub, body.model, principal)
+    REQUESTS.labels(kind=str(sub.kind), stream=str(bool(body.stream)).lower()).inc()
+    headers = {REQUEST_ID_HEADER: rid}
+    if body.stream:
+        return Stream(
+            sse_frames(ctx, rid, created, lease=lease),
+            media_type=sse.MEDIA_TYPE,
+            headers={**sse.HEADERS, **headers},
+        )
+    agg = await until_disconnect(request, collect(ctx, rid, created, lease))
+    if agg is None:  # the client went away; its lease is released, the grace period runs
+        return Response(b"", status_code=499, headers=headers)
+    if agg.end is not None and agg.end.state == State.ERRORED:
+        err = agg.error
+        content = error_object(err) if err else ApiError("the request failed").body()
+        return Response(content, status_code=500, headers=headers)
+    return Response(agg.response(), headers=headers)
+
+
+async def until_disconnect(
+    request: Request[Any, Any, Any], work: Coroutine[Any, Any, T]
+) -> T | None:
+    """Run ``work`` unless the client disconnects first (then cancel it, return None)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    return task.result() if not task.cancelled() else None
+
+
+class CompletionsController(Controller):
+    path = "/v1"
+    tags = ["completions"]
+
+    @post(
+        "/chat/completions",
+        status_code=200,
+        summary="Create a chat completion",
+        responses=error_responses(400, 401, 403, 413, 429, 503),
+    )
+    async def chat(
+        self,
+        ctx: Context,
+        principal: Principal,
+        request: Request[Any, Any, Any],
+        data: ChatCompletionRequest,
+    ) -> Response[Any] | Stream:
+        check_model(ctx, data, principal)
+        if not data.messages:
+            raise InvalidRequest("'messages' must not be empty", param="messages")
+        try:
+            text = ctx.model.render_chat(message_dicts(data.messages))
+        except Exception as exc:  # the model's template rejects the conversation
+            raise InvalidRequest(f"invalid messages: {exc}", param="messages") from None
+        prompt_ids = ctx.model.encode(text)
+        max_tokens = data.max_completion_tokens or data.max_tokens
+        sub = submission(ctx, data, Kind.CHAT, prompt_ids, max_tokens)
+        return await _answer(ctx, request, data, sub, principal)
+
+    @post(
+        "/completions",
+        status_code=200,
+        summary="Create a text completion",
+        responses=error_responses(400, 401, 403, 413, 429, 503),
+    )
+    async def completions(
+        self,
+        ctx: Context,
+        principal: Principal,
+        request: Request[Any, Any, Any],
+        data: CompletionRequest,
+    ) -> Response[Any] | Stream:
+        check_model(ctx, data, principal)
+        prompt = data.prompt
+        if isinstance(prompt, list) and any(isinstance(p, str) for p in prompt):
+            if len(prompt) != 1 or not isinstance(prompt[0], str):
+                raise InvalidRequest(
+                    "'prompt' must be a string, a list with one string, or a list of token ids",
+                    param="prompt",
+                )
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            prompt_ids = ctx.model.encode(prompt)
+        else:
+            vocab = ctx.model.tokenizer.get_vocab_size()
+            bad = [t for t in prompt if not 0 <= int(t) < vocab]
+            if bad:
+                raise InvalidRequest(
+                    f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})",
+                    param="prompt",
+                )
+            prompt_ids = [int(t) for t in prompt]
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        sub = submission(ctx, data, Kind.TEXT, prompt_ids, data.max_tokens)
+        return await _answer(ctx, request, data, sub, principal)

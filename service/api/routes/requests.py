@@ -1,0 +1,160 @@
+"""Per-request routes: status and the resumable event stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from litestar import Controller, Request, Response, get, post
+from litestar.response import Stream
+
+from service.api.auth import Principal
+from service.api.context import Context
+from service.api.metrics import RESUMES
+from service.api.readers import cold_frames, sse_frames
+from service.api.routes.completions import REQUEST_ID_HEADER
+from service.api.schemas import error_responses
+from service.api.status import request_status
+from service.errors import InvalidRequest, NotFound
+from service.stream import sse
+from service.stream.events import Created, End, Event, summarize
+from service.stream.ids import Cursor, EventId, InvalidEventId
+from service.stream.lifecycle import FinishReason, State
+
+
+def _cursor(raw: str | None, param: str) -> Cursor | None:
+    if raw is None or raw == "":
+        return None
+    try:
+        return Cursor.parse(raw)
+    except InvalidEventId as exc:
+        raise InvalidRequest(str(exc), param=param, code="invalid_event_id") from None
+
+
+def _owned(
+    created: Event | None, principal: Principal, rid: str, *, required: bool = False
+) -> Created | None:
+    """The request's ``Created`` if it belongs to the caller's tenant. Another tenant's
+    request gets the same 404 as one that never existed."""
+    if created is None and not required:
+        return None
+    if not isinstance(created, Created) or created.tenant != principal.tenant:
+        raise NotFound(f"no request '{rid}'", param="request_id", code="not_found")
+    return created
+
+
+def _foreign(cursor: Cursor, rid: str, param: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"event id '{cursor}' is not an event of request '{rid}'",
+        param=param,
+        code="invalid_event_id",
+    )
+
+
+async def _archived(ctx: Context, rid: str) -> list[tuple[EventId, Event]]:
+    entries = await ctx.ledger.archived(rid) if ctx.ledger is not None else None
+    if not entries:
+        raise NotFound(f"no request '{rid}'", param="request_id", code="not_found")
+    return entries
+
+
+async def _nothing() -> AsyncIterator[bytes]:
+    return
+    yield b""
+
+
+class RequestsController(Controller):
+    path = "/v1/requests"
+    tags = ["requests"]
+
+    @get(
+        "/{request_id:str}/events",
+        summary="Stream a request's events (resumable)",
+        responses=error_responses(400, 401, 404),
+    )
+    async def events(
+        self,
+        ctx: Context,
+        principal: Principal,
+        request: Request[Any, Any, Any],
+        request_id: str,
+        after: str | None = None,
+    ) -> Stream:
+        """SSE from the start, or after ``Last-Event-ID`` (header) / ``?after=``."""
+        header = request.headers.get("last-event-id")
+        cursor = _cursor(header, "Last-Event-ID") if header else _cursor(after, "after")
+        param = "Last-Event-ID" if header else "after"
+        headers = {**sse.HEADERS, REQUEST_ID_HEADER: request_id}
+        # first entry, the cursor's entry, last entry: one round trip (each await is a turn
+        # of a busy event loop, and this is the reconnect latency a client feels)
+        first, known, last = await ctx.log.look(request_id, cursor.event if cursor else None)
+        found = first[1] if first is not None and isinstance(first[1], Created) else None
+        created = _owned(found, principal, request_id)
+        if created is None:  # the hot log is gone: one cursor, served from the archive
+            entries = await _archived(ctx, request_id)
+            _owned(entries[0][1], principal, request_id, required=True)
+            if cursor is not None and cursor.event not in {eid for eid, _ in entries}:
+                raise _foreign(cursor, request_id, param)
+            return Stream(
+                cold_frames(request_id, entries, cursor), media_type=sse.MEDIA_TYPE, headers=headers
+            )
+        frames = sse_frames(ctx, request_id, created, cursor)
+        if cursor is not None:
+            RESUMES.inc()
+            if not known:
+                raise _foreign(cursor, request_id, param)
+            if last is not None and isinstance(last[1], End) and cursor.event == last[0]:
+                if cursor.frame is None:  # the client has everything: an empty, closed stream
+                    frames = _nothing()
+        return Stream(frames, media_type=sse.MEDIA_TYPE, headers=headers)
+
+    @get(
+        "/{request_id:str}",
+        summary="A request's state, finish_reason and usage",
+        responses=error_responses(401, 404),
+    )
+    async def status(self, ctx: Context, principal: Principal, request_id: str) -> dict[str, Any]:
+        found = await request_status(ctx, request_id)
+        if found is None or found.pop("tenant") != principal.tenant:
+            raise NotFound(f"no request '{request_id}'", param="request_id", code="not_found")
+        return found
+
+    @post(
+        "/{request_id:str}/cancel",
+        status_code=200,
+        summary="Cancel a request in any phase (idempotent)",
+        responses=error_responses(401, 404),
+    )
+    async def cancel(
+        self, ctx: Context, principal: Principal, request_id: str
+    ) -> Response[dict[str, Any]]:
+        """Queued: ended here, no engine sees it. Running: its worker aborts it at the next
+        engine step. Already ended: nothing changes. Answers the request's state: 200 once
+        it is terminal, 202 if the worker has not confirmed within ``cancel_wait_s``."""
+        created = _owned(await ctx.log.first(request_id), principal, request_id, required=True)
+        assert created is not None
+        queued_end = End(
+            state=str(State.CANCELLED),
+            finish_reason=str(FinishReason.CANCELLED),
+            prompt_tokens=created.prompt_tokens,
+            completion_tokens=0,
+        )
+        first = await ctx.log.first_with_id(request_id)
+        summary = summarize(request_id, first, queued_end, now_ms=int(time.time() * 1000))
+        outcome = await ctx.control.cancel(
+            request_id, queued_end, ctx.settings.hot_log_ttl_s, summary
+        )
+        if outcome.outcome == "missing":
+            raise NotFound(f"no request '{request_id}'", param="request_id", code="not_found")
+        deadline = time.monotonic() + ctx.settings.cancel_wait_s
+        while True:
+            found = await request_status(ctx, request_id)
+            if found is None:
+                raise NotFound(f"no request '{request_id}'", param="request_id", code="not_found")
+            found.pop("tenant", None)
+            if State(found["state"]).terminal or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.02)
+        return Response(found, status_code=200 if State(found["state"]).terminal else 202)

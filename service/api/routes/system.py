@@ -1,0 +1,62 @@
+"""Models, health, readiness, metrics."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import prometheus_client
+from litestar import Controller, Response, get
+from sqlalchemy import text
+
+from service.api.context import Context
+
+_STARTED = int(time.time())
+
+
+class SystemController(Controller):
+    tags = ["system"]
+
+    @get("/v1/models", summary="The served model")
+    async def models(self, ctx: Context) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": ctx.model.name,
+                    "object": "model",
+                    "created": _STARTED,
+                    "owned_by": "lastevent",
+                    "max_model_len": ctx.model.max_model_len,
+                }
+            ],
+        }
+
+    @get("/healthz", summary="The process is up")
+    async def healthz(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @get("/readyz", summary="Redis and Postgres answer")
+    async def readyz(self, ctx: Context) -> Response[dict[str, Any]]:
+        checks: dict[str, str] = {}
+        try:
+            await ctx.redis.ping()
+            checks["redis"] = "ok"
+        except Exception as exc:
+            checks["redis"] = f"error: {exc}"
+        if ctx.ledger is not None:
+            try:
+                async with ctx.ledger.engine.connect() as conn:
+                    await conn.execute(text("SELECT 1"))
+                checks["postgres"] = "ok"
+            except Exception as exc:
+                checks["postgres"] = f"error: {exc}"
+        ready = all(v == "ok" for v in checks.values())
+        return Response(
+            {"status": "ready" if ready else "unavailable", "checks": checks},
+            status_code=200 if ready else 503,
+        )
+
+    @get("/metrics", summary="Prometheus metrics", media_type="text/plain; version=0.0.4")
+    async def metrics(self) -> bytes:
+        return prometheus_client.generate_latest()

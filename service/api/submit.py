@@ -1,0 +1,177 @@
+"""Accepting a request: check what can be checked before the first byte, then write the
+log, the caller's reader lease and the job in one step."""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import time
+from collections.abc import Sequence
+
+from service.api.admission import who
+from service.api.auth import Principal
+from service.api.context import Context
+from service.api.schemas import ChatCompletionRequest, CompletionRequest
+from service.errors import Forbidden, InvalidRequest
+from service.store.presence import Lease
+from service.store.queue import Job, encode_job
+from service.stream.events import Created, Kind
+from service.stream.params import SamplingParams
+
+MAX_STOP_STRINGS = 4
+MAX_STOP_LEN = 64
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Submission:
+    kind: Kind
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    include_usage: bool
+    resume_grace_s: float
+    detached: bool
+
+
+def new_request_id(kind: Kind) -> str:
+    """Unguessable: 128 random bits."""
+    return ("chatcmpl-" if kind == Kind.CHAT else "cmpl-") + secrets.token_hex(16)
+
+
+def check_model(ctx: Context, body: ChatCompletionRequest | CompletionRequest,
+                principal: Principal) -> None:
+    if body.model != ctx.model.name:
+        raise InvalidRequest(
+            f"the model '{body.model}' does not exist; this server serves '{ctx.model.name}'",
+            param="model",
+            code="model_not_found",
+        )
+    if not principal.may_use(body.model):
+        raise Forbidden(
+            f"this API key may not use the model '{body.model}'",
+            param="model",
+            code="model_not_allowed",
+        )
+    if body.n != 1:
+        raise InvalidRequest(f"n is {body.n}; only n=1 is supported", param="n")
+
+
+def check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidRequest(
+            f"'stop' has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed",
+            param="stop",
+            code="invalid_stop",
+        )
+    for s in stops:
+        if not s:
+            raise InvalidRequest("'stop' strings must not be empty", param="stop")
+        if len(s) > MAX_STOP_LEN:
+            raise InvalidRequest(
+                f"'stop' string of {len(s)} characters; at most {MAX_STOP_LEN} are allowed",
+                param="stop",
+                code="invalid_stop",
+            )
+    return tuple(stops)
+
+
+def check_max_tokens(requested: int | None, prompt_tokens: int, default: int, ctx_len: int) -> int:
+    room = ctx_len - prompt_tokens
+    if room <= 0:
+        raise InvalidRequest(
+            f"the prompt has {prompt_tokens} tokens; the model's context length is {ctx_len}",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    if requested is None:
+        return min(room, default)
+    if requested > room:
+        raise InvalidRequest(
+            f"max_tokens is {requested} but the prompt has {prompt_tokens} tokens and the "
+            f"model's context length is {ctx_len} (at most {room} tokens can be generated)",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def submission(
+    ctx: Context,
+    body: ChatCompletionRequest | CompletionRequest,
+    kind: Kind,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+) -> Submission:
+    settings = ctx.settings
+    ctx_len = min(ctx.model.max_model_len, settings.max_model_len)
+    options = body.stream_options
+    grace = settings.resume_grace_s
+    if options is not None and options.resume_grace_s is not None:
+        grace = options.resume_grace_s
+        if grace > settings.max_resume_grace_s:
+            raise InvalidRequest(
+                f"stream_options.resume_grace_s is {grace:g}; at most "
+                f"{settings.max_resume_grace_s:g} seconds are allowed",
+                param="stream_options.resume_grace_s",
+            )
+    params = SamplingParams.from_request(
+        body,
+        max_tokens=check_max_tokens(
+            max_tokens, len(prompt_ids), settings.default_max_tokens, ctx_len
+        ),
+        stop=check_stop(body.stop),
+    )
+    return Submission(
+        kind=kind,
+        prompt_token_ids=prompt_ids,
+        params=params,
+        include_usage=bool(options and options.include_usage),
+        resume_grace_s=grace,
+        detached=bool(options and options.detached),
+    )
+
+
+async def submit(
+    ctx: Context, sub: Submission, model_name: str, principal: Principal
+) -> tuple[str, Created, Lease]:
+    """Create the log (``created`` event), take the caller's reader lease, enqueue the job.
+
+    The lease exists before any worker can see the job, so a worker never mistakes a
+    request whose client is still connecting for an abandoned one."""
+    rid = new_request_id(sub.kind)
+    await ctx.admission.check_capacity(len(ctx.presence))
+    await ctx.admission.admit(who(principal.tenant, principal.key_id), rid)
+    created = Created(
+        kind=str(sub.kind),
+        model=model_name,
+        created=int(time.time()),
+        prompt_tokens=len(sub.prompt_token_ids),
+        include_usage=sub.include_usage,
+        tenant=principal.tenant,
+        api_key_id=principal.key_id,
+    )
+    settings = ctx.settings
+    safety_ttl_s = int(settings.hot_log_ttl_s + 2 * settings.request_deadline_s)
+    job = Job(
+        request_id=rid,
+        prompt_token_ids=sub.prompt_token_ids,
+        params=sub.params,
+        deadline_unix_s=time.time() + settings.request_deadline_s,
+    )
+    # the log, the caller's reader lease and the job: one script, one round trip (each
+    # await is a turn of a busy event loop: five of them made a burst of starts slow)
+    lease = ctx.presence.track(rid, adopted=False)
+    try:
+        await ctx.log.create(
+            rid,
+            created,
+            safety_ttl_s,
+            grace_ms=int(sub.resume_grace_s * 1000),
+            detached=sub.detached,
+            lease=(lease.token, ctx.presence.expiry_ms()),
+            job=encode_job(job),
+        )
+    except BaseException:
+        ctx.presence.forget(lease)
+        raise
+    return rid, created, lease

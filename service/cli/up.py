@@ -1,0 +1,122 @@
+"""``lastevent up`` (what ``make run`` runs): everything on one machine.
+
+Servers (embedded unless URLs are set), migrations, the development key, the model,
+then the API and one worker as child processes. The banner is printed once the API
+answers and a worker has sent its first heartbeat. Ctrl-C stops all of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from service.api.auth import parse_key
+from service.cli.embedded import embedded_servers
+from service.cli.model import is_prepared, prepare_model
+from service.ledger.api_keys import ApiKeys
+from service.ledger.ledger import make_engine
+from service.ledger.migrate import upgrade
+from service.settings import Settings
+from service.store.keys import Keys
+from service.store.pool import connect
+from service.store.queue import Heartbeats
+
+
+def up(settings: Settings) -> None:
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    want_redis, want_pg = not settings.redis_url, not settings.database_url
+    with embedded_servers(settings.data_dir, redis=want_redis, postgres=want_pg) as (r, p):
+        settings = Settings.from_env(
+            redis_url=settings.redis_url or r, database_url=settings.database_url or p
+        )
+        assert settings.database_url is not None
+        upgrade(settings.database_url)
+        dev_key = ensure_dev_key(settings) if settings.auth == "required" else None
+        if not is_prepared(settings.resolved_model_dir):
+            print("preparing the model (once)...", flush=True)
+            prepare_model(settings.resolved_model_dir)
+        env = {**os.environ, **settings.to_env()}
+        children = [_spawn("api", env), _spawn("worker", env)]
+        if _wait_until_serving(settings, children):
+            print(f"lastevent serving on http://{settings.host}:{settings.port}  (Ctrl-C stops)")
+            if dev_key:
+                print(f"development API key (tenant 'dev', local use only): {dev_key}")
+        _supervise(children)
+
+
+def ensure_dev_key(settings: Settings) -> str:
+    """A fixed development key, so the quick start works as printed."""
+    parsed = parse_key(settings.dev_api_key)
+    if parsed is None:
+        raise SystemExit("LASTEVENT_DEV_API_KEY must look like sk-le-<id>-<secret>")
+
+    async def create(key_id: str, secret: str) -> None:
+        engine = make_engine(settings.database_url or "")
+        try:
+            await ApiKeys(engine).create("dev", key_id=key_id, secret=secret)
+        finally:
+            await engine.dispose()
+
+    asyncio.run(create(*parsed))
+    return settings.dev_api_key
+
+
+def _spawn(role: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "service.cli", role], env=env)
+
+
+def _wait_until_serving(settings: Settings, children: list[subprocess.Popen[bytes]]) -> bool:
+    """True once a worker has sent its first heartbeat and the API answers ``/readyz``;
+    False if a child exited (``_supervise`` reports it and stops the rest) or 5 min passed."""
+    deadline = time.monotonic() + 300
+
+    async def workers() -> int:
+        redis = connect(settings.redis_url or "", max_connections=1)
+        try:
+            return await Heartbeats(redis, Keys(settings.key_prefix)).count()
+        finally:
+            await redis.aclose()
+
+    url = f"http://{settings.host}:{settings.port}/readyz"
+    while time.monotonic() < deadline:
+        if any(c.poll() is not None for c in children):
+            return False
+        try:
+            if asyncio.run(workers()):
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    return False
+
+
+def _supervise(children: list[subprocess.Popen[bytes]]) -> None:
+    stop = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    while not stop and all(c.poll() is None for c in children):
+        time.sleep(0.2)
+    for c in children:
+        if c.poll() is None:
+            c.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    for c in children:
+        try:
+            c.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.kill()
+            c.wait()
+    print("lastevent stopped")

@@ -1,1 +1,0 @@
-"""Postgres: SQLAlchemy models, the billing ledger (idempotent upserts)."""

@@ -1,0 +1,64 @@
+"""API keys and tenants in Postgres. Only a SHA-256 of each key's secret is stored.
+
+A key looks like ``sk-le-<key id>-<secret>``; the key id is public (it names the key
+in the ledger and in logs). The secrets are random 128-bit values, so a fast hash is
+enough (no password stretching needed). Verifying a key is ``api/auth.py``'s job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+
+from sqlalchemy import select
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from service.ledger.models import ApiKeyRow, TenantRow
+
+ROLES = ("user", "operator")
+
+
+def hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+class ApiKeys:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    async def create(
+        self,
+        tenant: str,
+        *,
+        role: str = "user",
+        models: list[str] | None = None,
+        key_id: str | None = None,
+        secret: str | None = None,
+    ) -> str:
+        """Create the tenant if needed and a key for it; return the whole key (shown once)."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}")
+        key_id = key_id or secrets.token_hex(6)
+        secret = secret or secrets.token_hex(16)
+        async with self.engine.begin() as conn:
+            await conn.execute(
+                insert(TenantRow).values(name=tenant).on_conflict_do_nothing(index_elements=["name"])
+            )
+            await conn.execute(
+                insert(ApiKeyRow)
+                .values(
+                    id=key_id,
+                    tenant=tenant,
+                    secret_hash=hash_secret(secret),
+                    role=role,
+                    models=",".join(models) if models else None,
+                )
+                .on_conflict_do_nothing(index_elements=["id"])
+            )
+        return f"sk-le-{key_id}-{secret}"
+
+    async def get(self, key_id: str) -> ApiKeyRow | None:
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(select(ApiKeyRow).where(ApiKeyRow.id == key_id))).first()
+        return None if row is None else ApiKeyRow(**row._mapping)

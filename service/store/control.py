@@ -1,0 +1,122 @@
+"""Cancel, reader leases and the owner's decisions: the control scripts, bound to a client.
+
+* ``cancel`` ends a queued request on the spot (no engine ever sees it) or flags a
+  running one and tells its owner over the owner's control channel.
+* ``lease`` / ``leave`` write a reader's presence (``service/store/presence.py``
+  keeps an API process's leases alive).
+* ``check`` is the owner's periodic question for its running requests: keep going,
+  cancelled, or abandoned (no lease for longer than the grace period) -- a
+  ``Verdict``, or the milliseconds left until abandonment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from service.store import replies, scripts
+from service.store.keys import Keys
+from service.stream import events as ev
+from service.stream.lifecycle import Meta
+
+log = logging.getLogger(__name__)
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CancelOutcome:
+    outcome: str  # missing | cancelled | cancelling | <terminal state already reached>
+    detail: str | None = None  # end id (cancelled while queued) or owner (cancelling)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Delivery:
+    """How far a request's readers got, for the waste count at its end."""
+
+    delivered: int  # the most completion tokens any reader's connection was sent
+    present: bool  # a reader holds a live lease now
+
+
+class Control:
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+        self._lease = scripts.register(redis, "lease")
+        self._leave = scripts.register(redis, "leave")
+        self._check = scripts.register(redis, "check")
+        self._cancel = scripts.register(redis, "cancel")
+
+    def _keys(self, rid: str) -> list[str]:
+        return [self.keys.meta(rid), self.keys.readers(rid)]
+
+    async def cancel(
+        self, rid: str, queued_end: ev.End, ttl_s: int, queued_summary: ev.Summary
+    ) -> CancelOutcome:
+        keys = [self.keys.meta(rid), self.keys.log(rid), self.keys.outbox, self.keys.scratch(rid)]
+        args = [ev.encode(queued_end), ttl_s, ev.encode_summary(queued_summary)]
+        parts = replies.texts(await self._cancel(keys=keys, args=args))
+        outcome = CancelOutcome(parts[0], parts[1] if len(parts) > 1 else None)
+        if outcome.outcome == "cancelling" and outcome.detail:
+            await self.redis.publish(self.keys.control(outcome.detail), f"cancel:{rid}")
+        return outcome
+
+    async def check(self, rids: Sequence[str]) -> dict[str, int]:
+        """One pipelined round trip: the verdict for each of the owner's requests."""
+        if not rids:
+            return {}
+        now = now_ms()
+        results = await scripts.run_pipelined(
+            self.redis, self._check, [(self._keys(r), [now]) for r in rids]
+        )
+        return {r: replies.integer(x) for r, x in zip(rids, results, strict=True)}
+
+    async def lease(self, leases: Sequence[tuple[str, str, int]], expiry_ms: int) -> None:
+        """Write (or refresh) leases -- (request id, reader token, tokens delivered) --
+        in one pipelined round trip."""
+        calls = [(self._keys(rid), [token, expiry_ms, delivered]) for rid, token, delivered in leases]
+        if calls:
+            await scripts.run_pipelined(self.redis, self._lease, calls)
+
+    async def leave(self, rid: str, token: str, delivered: int) -> int:
+        """Drop a lease; returns how many live leases are left. When none is, the owner
+        is nudged so that it times the grace period from now instead of polling for it."""
+        left, owner = await self._leave(keys=self._keys(rid), args=[token, now_ms(), delivered])
+        owner_id = replies.text(owner)
+        if replies.integer(left) == 0 and owner_id:
+            await self.redis.publish(self.keys.control(owner_id), f"check:{rid}")
+        return replies.integer(left)
+
+    async def delivery(self, rid: str) -> Delivery:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hget(self.keys.meta(rid), Meta.DELIVERED)
+        pipe.zcount(self.keys.readers(rid), now_ms(), "+inf")
+        delivered, present = await pipe.execute()
+        return Delivery(replies.integer(delivered), replies.integer(present) > 0)
+
+    async def messages(self, worker_id: str) -> AsyncIterator[tuple[str, str]]:
+        """``(verb, request id)`` published to a worker's channel (``cancel``, ``check``),
+        for ever. After a failure the subscription is made again; the owner's periodic
+        check covers what was published meanwhile."""
+        channel = self.keys.control(worker_id)
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(channel)
+                async for message in pubsub.listen():
+                    verb, _, rid = replies.text(message["data"]).partition(":")
+                    yield verb, rid
+            except (RedisError, OSError) as exc:
+                log.warning("control channel failed (subscribing again): %s", exc)
+                await asyncio.sleep(0.5)
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()

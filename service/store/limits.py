@@ -1,0 +1,45 @@
+"""Per-key limits in Redis, across API replicas: requests in flight and per minute."""
+
+from __future__ import annotations
+
+import enum
+
+from redis.asyncio import Redis
+
+from service.store import replies, scripts
+from service.store.keys import Keys
+
+
+class Admitted(enum.IntEnum):
+    """``admit.lua``'s verdict."""
+
+    YES = 0
+    TOO_MANY_IN_FLIGHT = 1
+    OVER_RATE = 2
+
+
+class Limits:
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+        self._admit = scripts.register(redis, "admit")
+
+    async def admit(
+        self,
+        principal: str,
+        request_id: str,
+        *,
+        now_ms: int,
+        max_in_flight: int,
+        per_minute: int,
+        slot_expiry_ms: int,
+    ) -> tuple[Admitted, int]:
+        """Count the request against ``principal``'s limits (0: none); returns the verdict
+        and, when refused, the milliseconds until it may try again."""
+        keys = [self.keys.inflight(principal), self.keys.rate(principal, now_ms // 60_000)]
+        args = [now_ms, max_in_flight, per_minute, request_id, slot_expiry_ms]
+        verdict, *rest = await self._admit(keys=keys, args=args)
+        return Admitted(replies.integer(verdict)), replies.integer(rest[0] if rest else 0)
+
+    async def release(self, principal: str, request_id: str) -> None:
+        await self.redis.zrem(self.keys.inflight(principal), request_id)

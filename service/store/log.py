@@ -1,0 +1,310 @@
+"""Request logs in Redis: create, claim, fenced append, read.
+
+The atomic parts are Lua scripts shipped as package files (``service/store/scripts``).
+``AppendBatcher`` is how a worker writes: every append made while the previous
+round trip was in flight goes out in the next one, as one call of the append
+script, so all of one engine step's deltas -- for every request the worker runs --
+cost one round trip and one Redis command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from service.store import replies, scripts
+from service.store.keys import EVENT_FIELD, Keys
+from service.stream import events as ev
+from service.stream.ids import EventId
+from service.stream.lifecycle import Meta, State
+
+
+class LogError(Exception):
+    """Base of the log's errors."""
+
+
+class Fenced(LogError):
+    """The caller no longer owns the request (another worker took it over)."""
+
+
+class AlreadyEnded(LogError):
+    """The request already has its terminal event."""
+
+
+class RequestExists(LogError):
+    """A log with this request id already exists."""
+
+
+_decode_id = EventId.from_redis
+
+
+def _entries(raw: Sequence[tuple[bytes, dict[bytes, bytes]]]) -> list[tuple[EventId, ev.Event]]:
+    return [(_decode_id(entry_id), ev.decode(fields[EVENT_FIELD])) for entry_id, fields in raw]
+
+
+def _map_error(exc: ResponseError) -> LogError | ResponseError:
+    text = str(exc)
+    if text.startswith("FENCED"):
+        return Fenced(text)
+    if text.startswith("ENDED"):
+        return AlreadyEnded(text)
+    if text.startswith("EXISTS"):
+        return RequestExists(text)
+    return exc
+
+
+@dataclasses.dataclass(slots=True)
+class RequestMeta:
+    state: str
+    epoch: int
+    owner: str | None
+    last_event_id: str | None
+
+
+class RedisLog:
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+        self._create = scripts.register(redis, "create")
+        self._claim = scripts.register(redis, "claim")
+        self._append = scripts.register(redis, "append")
+
+    async def create(
+        self,
+        request_id: str,
+        created: ev.Created,
+        safety_ttl_s: int,
+        *,
+        grace_ms: int = 30_000,
+        detached: bool = False,
+        lease: tuple[str, int] | None = None,
+        job: bytes = b"",
+    ) -> EventId:
+        """Write the log's first event; with ``lease`` (token, expiry ms) and ``job`` (an
+        encoded queue entry) also the first reader's lease and the job, in the same step."""
+        keys = [
+            self.keys.meta(request_id),
+            self.keys.log(request_id),
+            self.keys.readers(request_id),
+            self.keys.queue,
+        ]
+        token, expiry_ms = lease if lease is not None else ("", 0)
+        args: list[Any] = [
+            ev.encode(created), safety_ttl_s, grace_ms, "1" if detached else "0", token,
+            expiry_ms, job,
+        ]
+        try:
+            raw = await self._create(keys=keys, args=args)
+        except ResponseError as exc:
+            raise _map_error(exc) from None
+        return _decode_id(raw)
+
+    async def claim(self, request_id: str, worker_id: str) -> int | None:
+        """Become the owner; ``None`` if the request is unknown or already ended."""
+        epoch = int(await self._claim(keys=[self.keys.meta(request_id)], args=[worker_id]))
+        return epoch if epoch > 0 else None
+
+    async def append(
+        self,
+        request_id: str,
+        epoch: int,
+        events: Sequence[ev.Event],
+        *,
+        terminal_state: str = "",
+        ttl_s: int = 0,
+        summary: bytes = b"",
+    ) -> list[EventId]:
+        [result] = await self.append_many(
+            [Append(request_id, epoch, events, terminal_state, ttl_s, summary)]
+        )
+        if isinstance(result, LogError):
+            raise result
+        return result
+
+    async def append_many(self, items: Sequence[Append]) -> list[list[EventId] | LogError]:
+        """All of ``items`` in one script call (one round trip, one Redis command); each
+        gets its entry ids, or ``Fenced`` / ``AlreadyEnded`` (that one is not written).
+        Connection errors raise for all."""
+        keys: list[str] = [self.keys.outbox]
+        args: list[bytes | str | int] = []
+        for item in items:
+            rid = item.request_id
+            keys += [self.keys.meta(rid), self.keys.log(rid), self.keys.readers(rid),
+                     self.keys.scratch(rid)]
+            args += [str(item.epoch), item.terminal_state, item.ttl_s, item.summary,
+                     len(item.events)]
+            args.extend(ev.encode(e) for e in item.events)
+        raw = await self._append(keys=keys, args=args)  # reloads the script if need be
+        out: list[list[EventId] | LogError] = []
+        for reply in raw:
+            status = replies.text(reply[0])
+            if status == "OK":
+                out.append([_decode_id(r) for r in reply[1:]])
+            else:
+                error = _map_error(ResponseError(status))
+                out.append(error if isinstance(error, LogError) else LogError(status))
+        return out
+
+    async def end_errored(
+        self,
+        request_id: str,
+        epoch: int,
+        code: str,
+        message: str,
+        *,
+        ttl_s: int,
+        worker_id: str,
+        prompt_tokens: int = 0,
+    ) -> None:
+        """End a request its worker can no longer finish (it vanished, or failed): an
+        in-band ``error`` and the terminal ``errored`` event, with its outbox entry. The
+        token counts come from the log (``prompt_tokens`` if its ``created`` is gone).
+        Raises ``Fenced`` / ``AlreadyEnded`` like ``append``."""
+        entries = await self.read(request_id)
+        first: tuple[EventId, ev.Created] | None = None
+        if entries and isinstance(entries[0][1], ev.Created):
+            first = (entries[0][0], entries[0][1])
+            prompt_tokens = first[1].prompt_tokens
+        completion = max((e.n for _, e in entries if isinstance(e, ev.Delta)), default=0)
+        end = ev.End(str(State.ERRORED), None, prompt_tokens, completion)
+        summary = ev.summarize(request_id, first, end, now_ms=int(time.time() * 1000),
+                               error_code=code, worker_id=worker_id)
+        await self.append(request_id, epoch, [ev.Error(code, message), end],
+                          terminal_state=end.state, ttl_s=ttl_s,
+                          summary=ev.encode_summary(summary))
+
+    async def meta(self, request_id: str) -> RequestMeta | None:
+        raw = await self.redis.hgetall(self.keys.meta(request_id))
+        if not raw:
+            return None
+        return RequestMeta(
+            state=replies.text(replies.field(raw, Meta.STATE) or b""),
+            epoch=replies.integer(replies.field(raw, Meta.EPOCH)),
+            owner=replies.text_or_none(replies.field(raw, Meta.OWNER)),
+            last_event_id=replies.text_or_none(replies.field(raw, Meta.LAST)),
+        )
+
+    async def read(
+        self, request_id: str, after: EventId | None = None, count: int | None = None
+    ) -> list[tuple[EventId, ev.Event]]:
+        start = "-" if after is None else f"({after}"
+        raw = await self.redis.xrange(self.keys.log(request_id), min=start, count=count)
+        return _entries(raw)
+
+    async def read_raw(self, request_id: str) -> list[tuple[EventId, bytes]]:
+        """Every entry's id and payload bytes, as stored (what the archive keeps)."""
+        raw = await self.redis.xrange(self.keys.log(request_id))
+        return [(_decode_id(entry_id), fields[EVENT_FIELD]) for entry_id, fields in raw]
+
+    async def look(
+        self, request_id: str, event_id: EventId | None
+    ) -> tuple[tuple[EventId, ev.Event] | None, bool, tuple[EventId, ev.Event] | None]:
+        """One round trip for a reconnect: (first entry, whether ``event_id`` is an entry
+        of this log, last entry)."""
+        key = self.keys.log(request_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xrange(key, count=1)
+        if event_id is not None:
+            pipe.xrange(key, min=str(event_id), max=str(event_id), count=1)
+        pipe.xrevrange(key, count=1)
+        replies = await pipe.execute()
+        first, last = _entries(replies[0]), _entries(replies[-1])
+        found = bool(replies[1]) if event_id is not None else False
+        return (first[0] if first else None), found, (last[0] if last else None)
+
+    async def first(self, request_id: str) -> ev.Created | None:
+        found = await self.first_with_id(request_id)
+        return None if found is None else found[1]
+
+    async def first_with_id(self, request_id: str) -> tuple[EventId, ev.Created] | None:
+        entries = await self.read(request_id, count=1)
+        if not entries or not isinstance(entries[0][1], ev.Created):
+            return None
+        return entries[0][0], entries[0][1]
+
+    async def last(self, request_id: str) -> tuple[EventId, ev.Event] | None:
+        raw = await self.redis.xrevrange(self.keys.log(request_id), count=1)
+        entries = _entries(raw)
+        return entries[0] if entries else None
+
+
+@dataclasses.dataclass(slots=True)
+class Append:
+    """One request's events for ``RedisLog.append_many``."""
+
+    request_id: str
+    epoch: int
+    events: Sequence[ev.Event]
+    terminal_state: str = ""
+    ttl_s: int = 0
+    summary: bytes = b""
+
+
+class AppendBatcher:
+    """Group commit for a worker's appends: one script call per flush."""
+
+    def __init__(self, log: RedisLog) -> None:
+        self._log = log
+        self._pending: list[tuple[Append, asyncio.Future[list[EventId]]]] = []
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.round_trips = 0  # for tests and metrics: flushes sent
+        self.appends = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="append-batcher")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def append(
+        self,
+        request_id: str,
+        epoch: int,
+        events: Sequence[ev.Event],
+        *,
+        terminal_state: str = "",
+        ttl_s: int = 0,
+        summary: bytes = b"",
+    ) -> list[EventId]:
+        future: asyncio.Future[list[EventId]] = asyncio.get_running_loop().create_future()
+        item = Append(request_id, epoch, events, terminal_state, ttl_s, summary)
+        self._pending.append((item, future))
+        self._wakeup.set()
+        return await future
+
+    async def _run(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            # let every task that is ready in this loop iteration add its step first
+            await asyncio.sleep(0)
+            batch, self._pending = self._pending, []
+            if batch:
+                await self._flush(batch)
+
+    async def _flush(self, batch: list[tuple[Append, asyncio.Future[list[EventId]]]]) -> None:
+        try:
+            results = await self._log.append_many([item for item, _ in batch])
+        except Exception as exc:  # connection trouble: every caller of this flush sees it
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        self.round_trips += 1
+        self.appends += len(batch)
+        for (_, future), result in zip(batch, results, strict=True):
+            if future.done():
+                continue
+            if isinstance(result, LogError):
+                future.set_exception(result)
+            else:
+                future.set_result(result)

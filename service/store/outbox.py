@@ -1,0 +1,74 @@
+"""The outbox: one entry per terminal event, written in the same script as the event
+(``append.lua``, ``cancel.lua``), read by the consumer group ``recorders``.
+
+An entry holds the ended request's ``Summary`` and its terminal event id. Recorders
+read it, commit the billing row and the archive, then ack; ``billing reconcile``
+reads a time range of it.
+"""
+
+from __future__ import annotations
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from service.store import replies
+from service.store.keys import END_ID_FIELD, RECORDER_GROUP, SUMMARY_FIELD, Keys
+from service.stream.events import Summary, decode_summary
+
+# (outbox entry id, (summary, terminal event id) -- or None for an entry trimmed while pending)
+Entry = tuple[bytes, tuple[Summary, str] | None]
+
+
+def _entry(entry_id: bytes, fields: dict[bytes, bytes] | None) -> Entry:
+    if not fields:
+        return entry_id, None
+    return entry_id, (decode_summary(fields[SUMMARY_FIELD]), replies.text(fields[END_ID_FIELD]))
+
+
+class Outbox:
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+
+    async def ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(self.keys.outbox, RECORDER_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def read(
+        self, consumer: str, count: int, *, pending: bool, block_ms: int
+    ) -> list[Entry]:
+        """``pending``: this consumer's own unacked entries, oldest first (no wait);
+        otherwise new entries, waiting up to ``block_ms`` for one."""
+        reply = await self.redis.xreadgroup(
+            RECORDER_GROUP, consumer, {self.keys.outbox: "0" if pending else ">"},
+            count=count, block=None if pending else block_ms,
+        )
+        return [_entry(eid, fields) for _key, items in reply or [] for eid, fields in items]
+
+    async def claim_idle(self, consumer: str, min_idle_ms: int, count: int) -> int:
+        """Take over entries another recorder read but never acked (it died)."""
+        _next, claimed, *_ = await self.redis.xautoclaim(
+            self.keys.outbox, RECORDER_GROUP, consumer,
+            min_idle_time=min_idle_ms, start_id="0-0", count=count,
+        )
+        return len(claimed)
+
+    async def trim(self, oldest_ms: int) -> None:
+        await self.redis.xtrim(self.keys.outbox, minid=f"{oldest_ms}-0", approximate=True)
+
+    async def ack(self, entry_id: bytes) -> None:
+        await self.redis.xack(self.keys.outbox, RECORDER_GROUP, entry_id)
+
+    async def ended_between(self, since_ms: int, until_ms: int) -> list[tuple[Summary, str]]:
+        """Summaries whose terminal event id falls in [since_ms, until_ms)."""
+        # an entry is written in the same script as its terminal event: same ms or later
+        raw = await self.redis.xrange(self.keys.outbox, min=f"{since_ms}-0", max="+")
+        out = []
+        for entry_id, fields in raw:
+            _id, found = _entry(entry_id, fields)
+            if found is not None and since_ms <= int(found[1].split("-")[0]) < until_ms:
+                out.append(found)
+        return out

@@ -1,0 +1,108 @@
+"""An API process's reader leases: add on connect, refresh in bulk, remove on disconnect.
+
+Every connected reader holds a lease in the request's ``readers`` sorted set (scored
+by expiry). ``Presence`` adds it on connect, refreshes all of the process's leases in
+one pipelined round trip every ``refresh_s``, and removes it on disconnect (recording
+when the last reader left). A crashed API process's leases lapse after ``lease_ttl_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import uuid
+
+from redis.exceptions import RedisError
+
+from service.store.control import Control, now_ms
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Lease:
+    """One reader's presence on one request."""
+
+    presence: Presence
+    request_id: str
+    token: str
+    delivered: int = 0  # completion tokens written to this reader's connection
+    # A lease taken before its reader runs (the API takes it before enqueueing) is
+    # refreshed only once the reader adopts it; a reader that never starts (the client
+    # left before the response began) lets it lapse after one lease TTL.
+    adopted: bool = False
+    taken_ms: int = 0
+
+    async def release(self) -> None:
+        await self.presence.release(self)
+
+
+class Presence:
+    def __init__(
+        self, control: Control, *, lease_ttl_s: float = 10.0, refresh_s: float = 3.0
+    ) -> None:
+        self.control = control
+        self.lease_ttl_ms = int(lease_ttl_s * 1000)
+        self.refresh_s = refresh_s
+        self._leases: set[Lease] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="presence")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def track(self, request_id: str, *, adopted: bool = True) -> Lease:
+        """A lease this process refreshes; the caller writes it to Redis (``acquire``, or
+        ``RedisLog.create`` together with the log)."""
+        lease = Lease(self, request_id, uuid.uuid4().hex, adopted=adopted, taken_ms=now_ms())
+        self._leases.add(lease)
+        return lease
+
+    def forget(self, lease: Lease) -> None:
+        self._leases.discard(lease)
+
+    async def acquire(self, request_id: str) -> Lease:
+        lease = self.track(request_id)
+        try:
+            await self.control.lease([(request_id, lease.token, 0)], self.expiry_ms())
+        except BaseException:  # not written (or cancelled): never refresh it
+            self.forget(lease)
+            raise
+        return lease
+
+    async def release(self, lease: Lease) -> None:
+        if lease not in self._leases:
+            return
+        self._leases.discard(lease)
+        try:
+            # shielded: a reader's task is often being cancelled (client gone) right now
+            await asyncio.shield(
+                self.control.leave(lease.request_id, lease.token, lease.delivered)
+            )
+        except RedisError as exc:  # the lease lapses by itself
+            log.warning("could not release lease of %s: %s", lease.request_id, exc)
+
+    def expiry_ms(self) -> int:
+        return now_ms() + self.lease_ttl_ms
+
+    async def refresh(self) -> None:
+        stale = now_ms() - self.lease_ttl_ms
+        for lease in [le for le in self._leases if not le.adopted and le.taken_ms < stale]:
+            self._leases.discard(lease)  # never adopted: it has lapsed in Redis
+        leases = [(le.request_id, le.token, le.delivered) for le in self._leases if le.adopted]
+        await self.control.lease(leases, self.expiry_ms())
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            with contextlib.suppress(RedisError):
+                await self.refresh()

@@ -1,0 +1,163 @@
+"""The request queue (a Redis Stream read by the consumer group ``workers``) and the
+workers' heartbeats.
+
+The API enqueues a ``Job`` together with the request's log (``create.lua``). A worker
+acks the job only after the request's terminal event is in the log, so a job whose
+worker died stays pending under that worker's name, where the sweeper finds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import msgspec
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from service.store import replies
+from service.store.keys import JOB_FIELD, QUEUE_GROUP, Keys
+from service.stream.params import SamplingParams
+
+
+class Job(msgspec.Struct, array_like=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    deadline_unix_s: float = 0.0  # 0: none
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """What a worker tells the API processes about itself, once a second (keys.workers)."""
+
+    slots: int
+    busy: int
+    unix_ms: int
+    mean_service_ms: int
+
+    def encode(self) -> str:
+        return f"{self.slots} {self.busy} {self.unix_ms} {self.mean_service_ms}"
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> Heartbeat:
+        slots, busy, unix_ms, mean = (int(float(x)) for x in replies.text(raw).split())
+        return cls(slots, busy, unix_ms, mean)
+
+    def fresh(self, now_ms: float, stale_s: float) -> bool:
+        return now_ms - self.unix_ms <= stale_s * 1000
+
+
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(Job)
+
+
+def decode_job(data: bytes) -> Job:
+    return _dec.decode(data)
+
+
+def encode_job(job: Job) -> bytes:
+    """The queue entry's payload (field ``JOB_FIELD``; ``create.lua`` writes it)."""
+    return _enc.encode(job)
+
+
+class RequestQueue:
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+
+    async def ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(self.keys.queue, QUEUE_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def enqueue(self, job: Job) -> bytes:
+        """A job on its own (the API's jobs go in with their log, in ``create.lua``)."""
+        return bytes(await self.redis.xadd(self.keys.queue, {JOB_FIELD: encode_job(job)}))
+
+    async def read(self, consumer: str, count: int, block_ms: int) -> list[tuple[bytes, Job]]:
+        reply = await self.redis.xreadgroup(
+            QUEUE_GROUP, consumer, {self.keys.queue: ">"}, count=count, block=block_ms
+        )
+        out: list[tuple[bytes, Job]] = []
+        for _key, entries in reply or []:
+            for entry_id, fields in entries:
+                out.append((entry_id, _dec.decode(fields[JOB_FIELD])))
+        return out
+
+    async def ack(self, entry_id: bytes) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xack(self.keys.queue, QUEUE_GROUP, entry_id)
+        pipe.xdel(self.keys.queue, entry_id)
+        await pipe.execute()
+
+    async def depth(self) -> int:
+        return int(await self.redis.xlen(self.keys.queue))
+
+    # -- what the sweeper needs: jobs pending under a consumer --------------------------
+
+    async def consumers_with_pending(self) -> list[str]:
+        """Consumers of the group that hold unacked jobs ([] before any worker started)."""
+        try:
+            consumers = await self.redis.xinfo_consumers(self.keys.queue, QUEUE_GROUP)
+        except ResponseError as exc:  # no queue or group yet
+            if "no such key" in str(exc).lower() or "NOGROUP" in str(exc):
+                return []
+            raise
+        return [replies.text(c["name"]) for c in consumers if c["pending"]]
+
+    async def claim_pending(
+        self, consumer: str, claimant: str, min_idle_ms: int, count: int = 100
+    ) -> list[tuple[bytes, Job | None]]:
+        """Move ``consumer``'s pending jobs (idle at least ``min_idle_ms``, so that one
+        claimant wins) to ``claimant``; a job trimmed meanwhile comes back as ``None``."""
+        pending = await self.redis.xpending_range(
+            self.keys.queue, QUEUE_GROUP, min="-", max="+", count=count, consumername=consumer
+        )
+        ids = [p["message_id"] for p in pending]
+        if not ids:
+            return []
+        claimed = await self.redis.xclaim(
+            self.keys.queue, QUEUE_GROUP, claimant, min_idle_time=min_idle_ms, message_ids=ids
+        )
+        return [
+            (entry_id, decode_job(fields[JOB_FIELD]) if fields else None)
+            for entry_id, fields in claimed
+        ]
+
+
+class Heartbeats:
+    """The ``workers`` hash: worker id -> its latest ``Heartbeat``."""
+
+    def __init__(self, redis: Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+
+    async def beat(self, worker_id: str, beat: Heartbeat) -> None:
+        await self.redis.hset(self.keys.workers, worker_id, beat.encode())
+
+    async def remove(self, worker_id: str) -> None:
+        await self.redis.hdel(self.keys.workers, worker_id)
+
+    async def get(self, worker_id: str) -> Heartbeat | None:
+        raw = await self.redis.hget(self.keys.workers, worker_id)
+        return None if raw is None else Heartbeat.decode(raw)
+
+    async def alive(self, worker_id: str, stale_s: float) -> bool:
+        beat = await self.get(worker_id)
+        return beat is not None and beat.fresh(time.time() * 1000, stale_s)
+
+    async def live_with_depth(self, stale_s: float) -> tuple[list[Heartbeat], int]:
+        """The fresh heartbeats and the queue's length, in one round trip (admission)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(self.keys.workers)
+        pipe.xlen(self.keys.queue)
+        beats, depth = await pipe.execute()
+        now_ms = time.time() * 1000
+        fresh = [b for b in map(Heartbeat.decode, beats.values()) if b.fresh(now_ms, stale_s)]
+        return fresh, replies.integer(depth)
+
+    async def count(self) -> int:
+        return int(await self.redis.hlen(self.keys.workers))

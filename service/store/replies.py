@@ -1,0 +1,42 @@
+"""Redis replies, decoded in one typed place.
+
+redis-py answers ``bytes`` (or ``str`` with ``decode_responses``, or ``int`` from a
+script), typed ``Any``; every reader of a reply goes through these instead of
+``x.decode() if isinstance(x, bytes) else str(x)`` by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def text(raw: Any) -> str:
+    """A reply as text (bytes are UTF-8)."""
+    if isinstance(raw, bytes):
+        return raw.decode()
+    return str(raw)
+
+
+def text_or_none(raw: Any) -> str | None:
+    return None if raw is None else text(raw)
+
+
+def integer(raw: Any, default: int = 0) -> int:
+    """A reply as an int (``None`` -> ``default``); floats in text are truncated."""
+    if raw is None:
+        return default
+    if isinstance(raw, int):
+        return raw
+    return int(float(text(raw)))
+
+
+def texts(raw: Any) -> list[str]:
+    """An array reply as a list of texts."""
+    return [text(x) for x in raw or ()]
+
+
+def field(mapping: Mapping[Any, Any], name: str) -> Any:
+    """A hash field from ``HGETALL``'s reply, whichever type its keys have."""
+    value = mapping.get(name.encode())
+    return mapping.get(name) if value is None else value

@@ -1,0 +1,65 @@
+"""The Lua scripts, and the one loader that gives them their names.
+
+Every script is a package file here. ``register`` prepends a prelude: the request
+states, verdicts and meta-hash fields from ``service/stream/lifecycle.py`` and the
+entry field names from ``service/store/keys.py``, so a script never spells one of
+them itself (``tests/unit/test_layout.py`` fails if it does).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from importlib import resources
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
+
+from service.store.keys import END_ID_FIELD, EVENT_FIELD, JOB_FIELD, SUMMARY_FIELD
+from service.stream.lifecycle import lua_prelude
+
+NAMES = ("admit", "append", "cancel", "check", "claim", "create", "lease", "leave")
+
+
+@functools.cache
+def prelude() -> str:
+    fields = {"event": EVENT_FIELD, "summary": SUMMARY_FIELD, "end_id": END_ID_FIELD,
+              "job": JOB_FIELD}
+    table = ", ".join(f"{name}='{value.decode()}'" for name, value in fields.items())
+    return lua_prelude() + f"local F = {{{table}}}\n"
+
+
+def body(name: str) -> str:
+    """The script as written (without the prelude)."""
+    return resources.files(__name__).joinpath(f"{name}.lua").read_text()
+
+
+def source(name: str) -> str:
+    """The script as Redis runs it."""
+    return prelude() + body(name)
+
+
+def register(redis: Redis, name: str) -> AsyncScript:
+    return redis.register_script(source(name))
+
+
+async def run_pipelined(
+    redis: Redis, script: AsyncScript, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]
+) -> list[Any]:
+    """EVALSHA each call in one pipeline (one round trip); load the script once if Redis
+    lost it (a restart, ``SCRIPT FLUSH``). Raises the first error of any call."""
+    results: list[Any] = []
+    for _attempt in range(2):
+        pipe = redis.pipeline(transaction=False)
+        for keys, args in calls:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        results = list(await pipe.execute(raise_on_error=False))
+        if not any(isinstance(r, NoScriptError) for r in results):
+            break
+        await redis.script_load(script.script)
+    for r in results:
+        if isinstance(r, Exception):
+            raise r
+    return results

@@ -1,0 +1,54 @@
+-- Fenced appends for one or many requests in one call (a worker's whole flush: one
+-- engine step of every request it runs). For each request, XADD its events only if the
+-- caller still owns it; the terminal event and its outbox entry go together or not at all.
+-- KEYS[1] outbox; then per request: meta, log, readers (dropped at the terminal event),
+-- scratch (the finished log is copied there and renamed back: see below)
+-- ARGV, per request: owner epoch, terminal state ('' if not terminal), TTL in seconds
+-- applied to its keys when terminal, encoded Summary for the outbox ('' if none),
+-- number of events n, then the n encoded events
+-- Returns one array per request: {'OK', <entry id>...}, or {'FENCED ...'} (not the
+-- owner) / {'ENDED ...'} (already terminal), which leave that request untouched.
+local out = {}
+local a, k = 1, 2
+while a <= #ARGV do
+  local epoch, terminal, ttl, summary = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
+  local first = a + 5
+  local last = first + tonumber(ARGV[a + 4]) - 1
+  local meta_key, log_key, readers_key, scratch_key = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
+  a, k = last + 1, k + 4
+  local meta = redis.call('HMGET', meta_key, M.epoch, M.state)
+  local state = meta[2]
+  if meta[1] ~= epoch then
+    out[#out + 1] = {'FENCED owner epoch is ' .. tostring(meta[1]) .. ', not ' .. epoch}
+  elseif TERMINAL[state] then
+    out[#out + 1] = {'ENDED request already ' .. state}
+  else
+    local ids = {'OK'}
+    for i = first, last do
+      ids[#ids + 1] = redis.call('XADD', log_key, '*', F.event, ARGV[i])
+    end
+    if #ids > 1 then
+      redis.call('HSET', meta_key, M.last, ids[#ids])
+    end
+    if terminal ~= '' then
+      redis.call('DEL', readers_key)
+      -- Right-size the finished log: Redis preallocates a stream node's listpack to
+      -- stream-node-max-bytes (4 KiB by default) and never shrinks the last node, which
+      -- for a short answer is most of its memory; a copy is allocated to fit.
+      if redis.call('EXISTS', log_key) == 1 then
+        redis.call('COPY', log_key, scratch_key, 'REPLACE')
+        redis.call('RENAME', scratch_key, log_key)
+      end
+      redis.call('HSET', meta_key, M.state, terminal)
+      redis.call('EXPIRE', meta_key, ttl)
+      redis.call('EXPIRE', log_key, ttl)
+      if summary ~= '' then
+        local end_id = ids[#ids]
+        if #ids == 1 then end_id = redis.call('HGET', meta_key, M.last) or '' end
+        redis.call('XADD', KEYS[1], '*', F.summary, summary, F.end_id, end_id)
+      end
+    end
+    out[#out + 1] = ids
+  end
+end
+return out

@@ -1,0 +1,25 @@
+-- Cancel a request, in any phase.
+-- KEYS[1] meta, KEYS[2] log, KEYS[3] outbox, KEYS[4] scratch (right-sizes the log, as
+-- append.lua does); ARGV[1] encoded End(cancelled) for a request
+-- still queued, ARGV[2] TTL in seconds after the terminal event, ARGV[3] its encoded Summary
+-- Returns {outcome, detail}: {'missing'}; {<terminal state>} (no-op);
+-- {'cancelled', <end id>} (it was queued: ended here, no engine will see it);
+-- {'cancelling', <owner>} (running: its owner aborts it).
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
+local m = redis.call('HMGET', KEYS[1], M.state, M.epoch, M.owner)
+local state = m[1]
+if TERMINAL[state] then
+  return {state}
+end
+if state == S.QUEUED and m[2] == '0' then
+  local id = redis.call('XADD', KEYS[2], '*', F.event, ARGV[1])
+  redis.call('HSET', KEYS[1], M.state, S.CANCELLED, M.last, id, M.cancel, 1)
+  redis.call('COPY', KEYS[2], KEYS[4], 'REPLACE')
+  redis.call('RENAME', KEYS[4], KEYS[2])
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
+  redis.call('EXPIRE', KEYS[2], ARGV[2])
+  redis.call('XADD', KEYS[3], '*', F.summary, ARGV[3], F.end_id, id)
+  return {S.CANCELLED, id}
+end
+redis.call('HSET', KEYS[1], M.cancel, 1)
+return {'cancelling', m[3] or ''}

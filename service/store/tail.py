@@ -1,0 +1,352 @@
+"""Multiplexed log tailing: one ``XREAD BLOCK`` per shard of up to 1,000 followed logs.
+
+Every connected reader (an SSE client, a waiting non-streaming client) subscribes
+to one request's log from a position. One task per shard runs ``XREAD BLOCK`` over
+all the logs the shard follows and fans the entries out to the subscribers'
+queues. Redis connections stay O(streams / shard size) per process, not O(clients).
+
+A new subscription must not wait for the current ``XREAD BLOCK`` to time out, so
+each shard also reads its own small *wake* stream; subscribing XADDs to it,
+which returns the blocked call at once.
+
+Redis Cluster: a multi-key ``XREAD`` needs all keys in one slot, and per-request
+keys are spread over slots on purpose, so this tailer targets a single Redis
+(or a primary with replicas). See docs/DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from service.store.keys import EVENT_FIELD, Keys
+from service.stream import events as ev
+from service.stream.ids import EventId
+
+log = logging.getLogger(__name__)
+
+Batch = list[tuple[EventId, ev.Event]]
+_START = EventId(0, 0)
+
+
+class Interrupted(Exception):
+    """Put in every interruptible subscription's queue when the process starts draining."""
+
+
+class Idle(Exception):
+    """Put in an interruptible subscription's queue when nothing came for ``keepalive_s``
+    (its reader sends a keepalive). One ticker for all readers: no timer per wait."""
+
+
+IDLE = Idle()
+
+
+class Mailbox:
+    """An unbounded queue for one consumer: what ``asyncio.Queue`` does for a reader,
+    without its four deques (~1.8 KiB per open stream, measured with tracemalloc)."""
+
+    __slots__ = ("_items", "_waiter", "last_put")
+
+    def __init__(self) -> None:
+        self._items: list[Batch | BaseException] = []
+        self._waiter: asyncio.Future[None] | None = None
+        self.last_put = time.monotonic()
+
+    def put_nowait(self, item: Batch | BaseException) -> None:
+        self._items.append(item)
+        self.last_put = time.monotonic()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def unget(self, item: Batch | BaseException) -> None:
+        """Put ``item`` back in front (a reader that took more than it could use)."""
+        self._items.insert(0, item)
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def get_nowait(self) -> Batch | BaseException:
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.pop(0)
+
+    async def get(self) -> Batch | BaseException:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.pop(0)
+
+
+class Subscription:
+    """One reader's view of one log: an async iterator of event batches."""
+
+    def __init__(
+        self, tailer: LogTailer, request_id: str, after: EventId | None, interruptible: bool
+    ) -> None:
+        self.tailer = tailer
+        self.request_id = request_id
+        self.position = after or _START
+        self.interruptible = interruptible
+        self.queue = Mailbox()
+
+    async def batches(self) -> AsyncIterator[Batch]:
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self.tailer.unsubscribe(self)
+
+    def offer(self, entries: Batch) -> None:
+        """Queue what is newer than this reader's position (the tailer's reads, or a
+        reader's own catch-up read: whichever comes second is filtered)."""
+        fresh = [(eid, e) for eid, e in entries if eid > self.position]
+        if fresh:
+            self.position = fresh[-1][0]
+            self.queue.put_nowait(fresh)
+
+
+class LogTailer:
+    """All of an API process's readers, over shards of at most ``shard_size`` logs.
+
+    Each shard is one ``XREAD BLOCK`` naming every log it follows, so a read costs
+    O(logs in the shard); a new reader wakes only its shard. With one shard, opening
+    the 10,000th idle stream re-issued a 10,000-key read (quadratic in all).
+    """
+
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        *,
+        block_ms: int = 5000,
+        count: int = 512,
+        shard_size: int = 1000,
+        keepalive_s: float | None = None,
+        writer: Redis | None = None,
+    ) -> None:
+        """``redis`` holds one connection per shard in ``XREAD BLOCK`` (so its pool caps the
+        shards: 64 connections, ~63,000 followed logs); ``writer`` (default ``redis``) sends
+        the wakes, so that they never queue behind blocked reads."""
+        self._redis = writer or redis
+        # the same pool, but XREAD replies left as Redis sent them: redis-py's reply
+        # parsing (a dict per entry) cost more than the read itself with 500 streams
+        self._reader = Redis(connection_pool=redis.connection_pool)
+        self._reader.set_response_callback("XREAD", _raw_reply)
+        self._keys = keys
+        self._block_ms = block_ms
+        self._count = count
+        self._shard_size = shard_size
+        self._shards: list[_Shard] = []
+        self._shard_of: dict[str, _Shard] = {}  # log key -> the shard following it
+        self._interrupted: Interrupted | None = None
+        self._keepalive_s = keepalive_s
+        self._ticker: asyncio.Task[None] | None = None
+
+    @property
+    def reads(self) -> int:
+        """XREAD calls made (tests, metrics)."""
+        return sum(s.reads for s in self._shards)
+
+    @property
+    def subscriptions(self) -> int:
+        return sum(len(subs) for s in self._shards for subs in s.subs.values())
+
+    @property
+    def shards(self) -> int:
+        return len(self._shards)
+
+    async def start(self) -> None:
+        """Shards start with their first reader; the keepalive ticker starts now."""
+        if self._keepalive_s:
+            self._ticker = asyncio.create_task(self._tick(self._keepalive_s), name="keepalive")
+
+    async def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)
+        await asyncio.gather(*(s.stop() for s in self._shards))
+
+    async def _tick(self, every_s: float) -> None:
+        """``IDLE`` to each interruptible reader that got nothing for ``every_s``
+        (checked every quarter of it: a keepalive is late by at most that)."""
+        while True:
+            await asyncio.sleep(every_s / 4)
+            due = time.monotonic() - every_s
+            for shard in self._shards:
+                for subs in shard.subs.values():
+                    for sub in subs:
+                        if sub.interruptible and sub.queue.last_put <= due:
+                            sub.queue.put_nowait(IDLE)
+
+    def subscribe(
+        self, request_id: str, after: EventId | None = None, *, interruptible: bool = False
+    ) -> Subscription:
+        """Follow ``request_id``'s log after ``after``. An ``interruptible`` subscription
+        gets ``Interrupted`` in its queue when ``interrupt`` is called (process draining)."""
+        sub = Subscription(self, request_id, after, interruptible)
+        if interruptible and self._interrupted is not None:
+            sub.queue.put_nowait(self._interrupted)
+        key = self._keys.log(request_id)
+        shard = self._shard_of.get(key)
+        if shard is None:
+            shard = next((s for s in self._shards if len(s.subs) < self._shard_size), None)
+            if shard is None:
+                shard = _Shard(self._redis, self._reader, self._keys, self._block_ms, self._count)
+                self._shards.append(shard)
+            self._shard_of[key] = shard
+        shard.add(key, sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        key = self._keys.log(sub.request_id)
+        shard = self._shard_of.get(key)
+        if shard is not None and not shard.remove(key, sub):
+            del self._shard_of[key]
+
+    def interrupt(self) -> None:
+        """Wake every interruptible reader with ``Interrupted`` (now and from now on)."""
+        self._interrupted = Interrupted("draining")
+        for shard in self._shards:
+            for subs in shard.subs.values():
+                for sub in subs:
+                    if sub.interruptible:
+                        sub.queue.put_nowait(self._interrupted)
+
+
+class _Shard:
+    """One ``XREAD BLOCK`` loop over a set of logs, woken through its own wake stream."""
+
+    def __init__(self, redis: Redis, reader: Redis, keys: Keys, block_ms: int, count: int) -> None:
+        self._redis = redis
+        self._reader = reader
+        self._block_ms = block_ms
+        self._count = count
+        self._wake_key = keys.wake(uuid.uuid4().hex)
+        self._wake_last = b"0-0"
+        self._wake_pending = False
+        self.subs: dict[str, set[Subscription]] = {}
+        self._positions: dict[str, bytes] = {}  # log key -> id to read after (its slowest reader)
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="log-tailer")
+        self.reads = 0
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        with contextlib.suppress(RedisError):
+            await self._redis.delete(self._wake_key)
+
+    def add(self, key: str, sub: Subscription) -> None:
+        self.subs.setdefault(key, set()).add(sub)
+        self._reposition(key)
+        self._wake()
+
+    def remove(self, key: str, sub: Subscription) -> bool:
+        """Drop ``sub``; False when nobody here follows ``key`` any more."""
+        subs = self.subs.get(key)
+        if subs is not None:
+            subs.discard(sub)
+            if not subs:
+                del self.subs[key]
+        self._reposition(key)
+        return key in self.subs
+
+    def _reposition(self, key: str) -> None:
+        subs = self.subs.get(key)
+        if subs:
+            self._positions[key] = str(min(s.position for s in subs)).encode()
+        else:
+            self._positions.pop(key, None)
+
+    def _wake(self) -> None:
+        if self._wake_pending:
+            return
+        self._wake_pending = True
+        asyncio.get_running_loop().create_task(self._send_wake())
+
+    async def _send_wake(self) -> None:
+        # cleared before the XADD goes out: a reader added from here on, after the woken
+        # read may already have been re-issued without it, sends a wake of its own
+        self._wake_pending = False
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.xadd(self._wake_key, {b"w": b"1"}, maxlen=16, approximate=False)
+            pipe.expire(self._wake_key, 3600)
+            await pipe.execute()
+        except RedisError as exc:  # the loop's own error handling retries reads
+            log.warning("wake failed: %s", exc)
+
+    def _streams(self) -> dict[str, bytes]:
+        streams = dict(self._positions)  # a snapshot: dispatch needs what this read asked for
+        streams[self._wake_key] = self._wake_last
+        return streams
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            streams = self._streams()
+            try:
+                reply = await self._reader.xread(streams, count=self._count, block=self._block_ms)
+                backoff = 0.05
+            except RedisError as exc:
+                log.warning("log tail read failed (retrying in %.2fs): %s", backoff, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            self.reads += 1
+            if isinstance(reply, dict):  # RESP3
+                reply = list(reply.items())
+            for raw_key, entries in reply or ():
+                key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
+                try:
+                    self._dispatch(key, entries, streams[key])
+                except Exception:  # one bad entry must not stop the shard's other readers
+                    log.exception("cannot dispatch entries of %s", key)
+
+    def _dispatch(self, key: str, entries: list[list[Any]], read_from: bytes) -> None:
+        """``entries``: ``[[id, [field, value, ...]], ...]`` as Redis sent them."""
+        if key == self._wake_key:
+            self._wake_last = entries[-1][0]
+            return
+        subs = self.subs.get(key)
+        if not subs:
+            return
+        start = EventId.from_redis(read_from)
+        batch = [(EventId.from_redis(eid), ev.decode(_field(fields))) for eid, fields in entries]
+        for sub in list(subs):
+            # A reader that subscribed (further back) while this read was in flight would
+            # see a gap; it gets these entries from the next read, which starts at its position.
+            if sub.position >= start:
+                sub.offer(batch)
+        self._reposition(key)
+
+
+def _raw_reply(response: Any, **_options: Any) -> Any:
+    return response
+
+
+def _field(fields: list[bytes] | dict[bytes, bytes]) -> bytes:
+    """The event payload of an entry's field list (RESP2) or map (RESP3)."""
+    if isinstance(fields, dict):
+        return fields[EVENT_FIELD]
+    for i in range(0, len(fields) - 1, 2):
+        if fields[i] == EVENT_FIELD:
+            return fields[i + 1]
+    raise KeyError(EVENT_FIELD)

@@ -1,0 +1,94 @@
+"""One request through the engine: token ids in, log events out.
+
+Each engine step's new ids go through the pure ``Assembler`` (detokenizer + stop-string
+holdback); what it releases is appended through the ``AppendBatcher`` (one script call
+per flush for all of the worker's requests). The terminal event is *not* written
+here: ``Outcome.events`` ends with it, and the runner appends it with the outbox entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import Mapping
+
+from service.store.log import AppendBatcher
+from service.store.queue import Job
+from service.stream.assemble import Assembler
+from service.stream.events import Event
+from service.stream.lifecycle import ABORT_REASON, State
+from service.tokenize import ModelInfo
+from workers.engines.base import Engine, EngineError
+
+
+@dataclasses.dataclass(slots=True)
+class Outcome:
+    events: list[Event]  # the last one is the terminal End
+    first_token_at: float | None
+    error_code: str | None = None
+    covered_tokens: int | None = None  # tokens made before an abort decision (None: no abort)
+
+
+class Generation:
+    def __init__(
+        self, engine: Engine, model: ModelInfo, batcher: AppendBatcher, deadline_s: float
+    ) -> None:
+        self.engine = engine
+        self.model = model
+        self.batcher = batcher
+        self.deadline_s = deadline_s
+
+    async def run(self, job: Job, epoch: int, decisions: Mapping[str, State]) -> Outcome:
+        """Generate until the engine finishes, a stop string completes, the deadline
+        passes, or ``decisions`` gets this request (cancel / abandon: the caller has
+        asked the engine to abort, and the tokens it still makes are counted)."""
+        rid = job.request_id
+        asm = Assembler(
+            self.model.tokenizer,
+            prompt_tokens=len(job.prompt_token_ids),
+            stop=job.params.stop,
+            stop_token_ids=self.model.eos_token_ids,
+        )
+        first_token_at: float | None = None
+        covered: int | None = None
+        budget = job.deadline_unix_s - time.time() if job.deadline_unix_s else None
+        reason: str | None = None
+        try:
+            async with asyncio.timeout(budget):
+                gen = self.engine.generate(rid, job.prompt_token_ids, job.params)
+                async with contextlib.aclosing(gen):
+                    async for out in gen:
+                        if out.token_ids and first_token_at is None:
+                            first_token_at = time.time()
+                        if rid in decisions:  # decided: count what the engine still made
+                            covered = asm.completion_tokens if covered is None else covered
+                            asm.completion_tokens += len(out.token_ids)
+                            if out.finished:
+                                break
+                            continue
+                        step = asm.step(out.token_ids)
+                        if step.events:
+                            await self.batcher.append(rid, epoch, step.events)
+                        if step.stopped:  # a stop string completed: free the engine now
+                            await self.engine.abort(rid)
+                            break
+                        if out.finished:
+                            reason = out.finish_reason
+                            break
+        except TimeoutError:
+            await self.engine.abort(rid)
+            msg = f"request exceeded its deadline of {self.deadline_s:g} s"
+            return Outcome(asm.fail("deadline_exceeded", msg), first_token_at, "deadline")
+        except EngineError as exc:
+            return Outcome(asm.fail(exc.code, str(exc)), first_token_at, exc.code)
+        decided = decisions.get(rid)
+        if decided is not None:
+            covered = asm.completion_tokens if covered is None else covered
+            events = asm.finish(decided, ABORT_REASON[decided])
+            return Outcome(events, first_token_at, covered_tokens=covered)
+        if reason == "abort":  # the engine aborted on its own (e.g. shutting down)
+            events = asm.fail("engine_aborted", "the engine aborted the request")
+            return Outcome(events, first_token_at, "engine_aborted")
+        return Outcome(asm.finish(State.FINISHED, reason), first_token_at)

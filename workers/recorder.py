@@ -1,0 +1,113 @@
+"""The recorder: projects terminal events into Postgres, exactly once.
+
+The outbox (``service/store/outbox.py``) gets one entry *atomically with* each
+terminal event. Recorders form the consumer group ``recorders``: each entry's row and
+archived log are committed in one transaction (``ON CONFLICT DO NOTHING`` on the
+request id), and only then acked. So:
+
+* Postgres down: entries stay pending; the recorder retries them, oldest first,
+  until it is back. Streaming never waits on Postgres.
+* A recorder killed between commit and ack: the entry is delivered again (to it
+  after a restart, or to another recorder via XAUTOCLAIM) and the insert is a no-op.
+* The same entry delivered twice: one row.
+
+Every worker runs one (``LASTEVENT_RECORDER_IN_WORKER``); ``lastevent recorder`` runs more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from redis.exceptions import RedisError
+
+from service.ledger.ledger import Ledger
+from service.store.log import RedisLog
+from service.store.outbox import Entry, Outbox
+from service.stream import archive
+
+log = logging.getLogger(__name__)
+
+
+class Recorder:
+    def __init__(
+        self,
+        outbox: Outbox,
+        log_: RedisLog,
+        ledger: Ledger,
+        consumer: str,
+        *,
+        batch: int = 64,
+        block_ms: int = 1000,
+        claim_idle_ms: int = 30_000,
+        retention_s: int = 7 * 86400,
+        crash_after_insert: bool = False,
+    ) -> None:
+        self.outbox = outbox
+        self.log = log_
+        self.ledger = ledger
+        self.consumer = consumer
+        self.batch = batch
+        self.block_ms = block_ms
+        self.claim_idle_ms = claim_idle_ms
+        self.retention_s = retention_s
+        self.crash_after_insert = crash_after_insert  # fault injection for tests
+        self.recorded = 0
+        self._backlog = True  # read our own pending entries first
+        self._last_claim = 0.0
+        self._stopping = asyncio.Event()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def run(self) -> None:
+        await self.outbox.ensure_group()
+        backoff = 0.2
+        while not self._stopping.is_set():
+            try:
+                for entry in await self._next_entries():
+                    await self._record(entry)
+                backoff = 0.2
+            except RedisError as exc:
+                log.warning("recorder: redis error (retrying in %.1fs): %s", backoff, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+            except Exception as exc:  # Postgres down: keep the entries pending, retry
+                log.warning("recorder: ledger write failed (retrying in %.1fs): %s", backoff, exc)
+                self._backlog = True
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    async def _next_entries(self) -> list[Entry]:
+        if time.monotonic() - self._last_claim > max(1.0, self.claim_idle_ms / 2000):
+            self._last_claim = time.monotonic()
+            if await self.outbox.claim_idle(self.consumer, self.claim_idle_ms, self.batch):
+                self._backlog = True
+            await self.outbox.trim(int((time.time() - self.retention_s) * 1000))
+        entries = await self.outbox.read(
+            self.consumer, self.batch, pending=self._backlog, block_ms=self.block_ms
+        )
+        if self._backlog and not entries:
+            self._backlog = False
+        return entries
+
+    async def _record(self, entry: Entry) -> None:
+        entry_id, found = entry
+        if found is None:  # trimmed while pending: nothing left to record
+            await self.outbox.ack(entry_id)
+            return
+        summary, end_id = found
+        entries = await self.log.read_raw(summary.request_id)
+        packed = None
+        if entries:
+            blob, raw_size = archive.pack(entries)
+            packed = (blob, len(entries), raw_size)
+        else:
+            log.warning("recorder: log of %s expired before it was archived", summary.request_id)
+        await self.ledger.record(summary, end_id, packed)
+        if self.crash_after_insert:
+            os._exit(17)  # committed, not acked: the entry must be delivered again
+        await self.outbox.ack(entry_id)
+        self.recorded += 1
