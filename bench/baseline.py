@@ -27,11 +27,11 @@ from litestar.response import Stream
 from service.stream import sse
 from service.stream.assemble import Assembler
 from service.stream.events import Created, End
-from service.stream.lifecycle import State
 from service.stream.ids import EventId
+from service.stream.lifecycle import State
+from service.stream.params import SamplingParams
 from service.stream.render import ChunkRenderer, sse_event_frames
 from service.tokenize import ModelInfo
-from service.stream.params import SamplingParams
 from workers.engines.scripted import ScriptedEngine
 
 
@@ -44,12 +44,17 @@ def build(model: ModelInfo, tokens_per_s: float, prefill_s: float = 0.0) -> Lite
         rid = f"chatcmpl-base{next(counter)}"
         prompt = model.encode(model.render_chat(body["messages"]))
         options = body.get("stream_options") or {}
-        created = Created(kind="chat", model=body["model"], created=int(time.time()),
-                          prompt_tokens=len(prompt),
-                          include_usage=bool(options.get("include_usage")))
+        created = Created(
+            kind="chat",
+            model=body["model"],
+            created=int(time.time()),
+            prompt_tokens=len(prompt),
+            include_usage=bool(options.get("include_usage")),
+        )
         renderer = ChunkRenderer(rid, created)
-        asm = Assembler(model.tokenizer, prompt_tokens=len(prompt),
-                        stop_token_ids=model.eos_token_ids)
+        asm = Assembler(
+            model.tokenizer, prompt_tokens=len(prompt), stop_token_ids=model.eos_token_ids
+        )
 
         def now_id() -> EventId:
             return EventId(int(time.time() * 1000), 0)

@@ -114,10 +114,16 @@ class _Reader:
         return got
 
 
-async def one_stream(client: httpx.AsyncClient, text: str, run: Run, plan: Plan,
-                     progress: Progress) -> None:
-    body = {"model": MODEL, "stream": True, "stream_options": {"include_usage": True},
-            "max_tokens": len(text) + 16, "messages": [{"role": "user", "content": text}]}
+async def one_stream(
+    client: httpx.AsyncClient, text: str, run: Run, plan: Plan, progress: Progress
+) -> None:
+    body = {
+        "model": MODEL,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": len(text) + 16,
+        "messages": [{"role": "user", "content": text}],
+    }
     reader = _Reader(run, time.time())
     rid = None
     cut_at = plan.drop_at or plan.abort_at
@@ -160,8 +166,9 @@ async def _resume(client: httpx.AsyncClient, run: Run, reader: _Reader, rid: str
     first = True
     reader.started = 0.0  # no TTFT sample from the resumed part
     reader.live = False  # what piled up while away is not a live latency sample
-    async with client.stream("GET", f"/v1/requests/{rid}/events",
-                             headers={"Last-Event-ID": reader.last_id or ""}) as r:
+    async with client.stream(
+        "GET", f"/v1/requests/{rid}/events", headers={"Last-Event-ID": reader.last_id or ""}
+    ) as r:
         async for line in r.aiter_lines():
             if line.startswith("data: ") and first:
                 run.resume_ms.append((time.time() - sent) * 1000)
@@ -179,8 +186,9 @@ async def _abort(client: httpx.AsyncClient, run: Run, reader: _Reader, rid: str 
     # lastevent: the stream was left (its reader gone); cancel, then read the log's end
     await client.post(f"/v1/requests/{rid}/cancel")
     reader.live = False
-    async with client.stream("GET", f"/v1/requests/{rid}/events",
-                             headers={"Last-Event-ID": reader.last_id or ""}) as r:
+    async with client.stream(
+        "GET", f"/v1/requests/{rid}/events", headers={"Last-Event-ID": reader.last_id or ""}
+    ) as r:
         async for line in r.aiter_lines():
             reader.feed(line)
             if reader.done:
@@ -211,8 +219,10 @@ class Progress:
         self._line(final=True)
 
     def _line(self, final: bool = False) -> None:
-        text = (f"  {self.label}: {self.done}/{self.streams} streams done, "
-                f"{self.tokens} tokens received")
+        text = (
+            f"  {self.label}: {self.done}/{self.streams} streams done, "
+            f"{self.tokens} tokens received"
+        )
         if self._tty:
             sys.stderr.write(f"\r{text}\033[K" + ("\n" if final else ""))
         elif final:
@@ -228,27 +238,43 @@ class Progress:
                 last = time.monotonic()
 
 
-async def drive(url: str, system: str, streams: int, text: str, *, drops: int = 0,
-                aborts: int = 0, seed: int = 0) -> Run:
+async def drive(
+    url: str,
+    system: str,
+    streams: int,
+    text: str,
+    *,
+    drops: int = 0,
+    aborts: int = 0,
+    seed: int = 0,
+) -> Run:
     """``streams`` concurrent clients; the first ``drops`` drop and resume, the next
     ``aborts`` cancel (lastevent) or disconnect (baseline) part way."""
     import random
 
     rng = random.Random(seed)
     run = Run(system, streams)
-    plans = [Plan(drop_at=rng.randint(2, 30)) if i < drops
-             else Plan(abort_at=rng.randint(2, 30)) if i < drops + aborts
-             else Plan() for i in range(streams)]
+    plans = [
+        Plan(drop_at=rng.randint(2, 30))
+        if i < drops
+        else Plan(abort_at=rng.randint(2, 30))
+        if i < drops + aborts
+        else Plan()
+        for i in range(streams)
+    ]
     async with contextlib.AsyncExitStack() as stack:
         # httpcore scans its whole pool on every request (quadratic with one pool for 500
         # streams): one client per 25 streams
-        clients = [await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=300))
-                   for _ in range(0, streams, 25)]
+        clients = [
+            await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=300))
+            for _ in range(0, streams, 25)
+        ]
         client = clients[0]
         with Progress(f"{system} x{streams}", streams) as progress:
             start = time.monotonic()
-            await asyncio.gather(*(one_stream(clients[i // 25], text, run, p, progress)
-                                   for i, p in enumerate(plans)))
+            await asyncio.gather(
+                *(one_stream(clients[i // 25], text, run, p, progress) for i, p in enumerate(plans))
+            )
             run.wall_s = time.monotonic() - start
         if system == "baseline" and run.aborts_sent:
             await asyncio.sleep(0.2)

@@ -49,6 +49,9 @@ def start_roles(env: dict[str, str], logs: Path) -> list[subprocess.Popen[bytes]
     procs = []
     for role in ("worker", "api"):
         with open(logs / f"{role}.log", "wb") as out:
-            procs.append(subprocess.Popen([sys.executable, "-m", "service.cli", role], env=env,
-                                          stdout=out, stderr=out))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "service.cli", role], env=env, stdout=out, stderr=out
+                )
+            )
     return procs

@@ -41,14 +41,28 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
-def baseline(model_dir: Path, rate: float, logs: Path,
-             prefill_s: float = 0.0) -> Iterator[tuple[str, list[int]]]:
+def baseline(
+    model_dir: Path, rate: float, logs: Path, prefill_s: float = 0.0
+) -> Iterator[tuple[str, list[int]]]:
     port = free_port()
     with open(logs / "baseline.log", "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "bench.baseline", "--port", str(port),
-                                 "--model-dir", str(model_dir), "--tokens-per-s", str(rate),
-                                 "--prefill-s", str(prefill_s)],
-                                stdout=out, stderr=out)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "bench.baseline",
+                "--port",
+                str(port),
+                "--model-dir",
+                str(model_dir),
+                "--tokens-per-s",
+                str(rate),
+                "--prefill-s",
+                str(prefill_s),
+            ],
+            stdout=out,
+            stderr=out,
+        )
     try:
         wait_ok(f"http://127.0.0.1:{port}/aborts", [proc])
         yield f"http://127.0.0.1:{port}", [proc.pid]
@@ -57,16 +71,25 @@ def baseline(model_dir: Path, rate: float, logs: Path,
 
 
 @contextlib.contextmanager
-def lastevent(model_dir: Path, rate: float, redis_url: str, prefix: str, logs: Path,
-              ttl_s: int, **extra: str) -> Iterator[tuple[str, list[int]]]:
+def lastevent(
+    model_dir: Path, rate: float, redis_url: str, prefix: str, logs: Path, ttl_s: int, **extra: str
+) -> Iterator[tuple[str, list[int]]]:
     """A worker process and an API process; yields (base url, [worker pid, API pid])."""
     port = free_port()
-    env = {**os.environ, "LASTEVENT_REDIS_URL": redis_url, "LASTEVENT_MODEL_DIR": str(model_dir),
-           "LASTEVENT_PORT": str(port), "LASTEVENT_KEY_PREFIX": prefix, "LASTEVENT_AUTH": "off",
-           "LASTEVENT_ENGINE": "scripted", "LASTEVENT_SCRIPTED_TOKENS_PER_S": str(rate),
-           "LASTEVENT_WORKER_CONCURRENCY": "2000", "LASTEVENT_HOT_LOG_TTL_S": str(ttl_s),
-           "LASTEVENT_MAX_STREAMS": "100000",
-           **{f"LASTEVENT_{k.upper()}": v for k, v in extra.items()}}
+    env = {
+        **os.environ,
+        "LASTEVENT_REDIS_URL": redis_url,
+        "LASTEVENT_MODEL_DIR": str(model_dir),
+        "LASTEVENT_PORT": str(port),
+        "LASTEVENT_KEY_PREFIX": prefix,
+        "LASTEVENT_AUTH": "off",
+        "LASTEVENT_ENGINE": "scripted",
+        "LASTEVENT_SCRIPTED_TOKENS_PER_S": str(rate),
+        "LASTEVENT_WORKER_CONCURRENCY": "2000",
+        "LASTEVENT_HOT_LOG_TTL_S": str(ttl_s),
+        "LASTEVENT_MAX_STREAMS": "100000",
+        **{f"LASTEVENT_{k.upper()}": v for k, v in extra.items()},
+    }
     env.pop("LASTEVENT_DATABASE_URL", None)  # the stream path only, no ledger
     procs = start_roles(env, logs)
     try:
@@ -89,11 +112,14 @@ async def idle_streams(url: str, n: int, api_pid: int) -> tuple[int, int]:
     body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "idle"}]}
     async with contextlib.AsyncExitStack() as stack:
         # httpcore scans its whole pool on every request: one client per 100 streams
-        clients = [await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=600))
-                   for _ in range(0, n, 100)]
+        clients = [
+            await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=600))
+            for _ in range(0, n, 100)
+        ]
         for i in range(n):
             r = await stack.enter_async_context(
-                clients[i // 100].stream("POST", "/v1/chat/completions", json=body))
+                clients[i // 100].stream("POST", "/v1/chat/completions", json=body)
+            )
             if r.status_code != 200:
                 raise RuntimeError(f"idle stream {i}: HTTP {r.status_code}")
             if i % 1000 == 999:
@@ -168,10 +194,14 @@ def raise_fd_limit(n: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--streams", default="50,200",
-                        help="concurrent streams, comma-separated (the last is the headline)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--streams",
+        default="50,200",
+        help="concurrent streams, comma-separated (the last is the headline)",
+    )
     parser.add_argument("--rate", type=float, default=20.0, help="tokens/s per stream")
     parser.add_argument("--tokens", type=int, default=100, help="answer length (about)")
     parser.add_argument("--resumes", type=int, default=10, help="streams that drop and resume")
@@ -226,8 +256,9 @@ def run_all(args: argparse.Namespace, levels: list[int], idle: list[int], redis_
     with lastevent(args.model_dir, args.rate, redis_url, prefix, logs, ttl_s) as (url, pids):
         for n in levels:
             with cpu_seconds(pids, redis_url) as cpu:
-                le_runs[n] = asyncio.run(drive(url, "lastevent", n, text, drops=args.resumes,
-                                               aborts=args.aborts))
+                le_runs[n] = asyncio.run(
+                    drive(url, "lastevent", n, text, drops=args.resumes, aborts=args.aborts)
+                )
             le_runs[n].cpu_s = cpu
             if n == levels[-1]:  # the last 20 to finish: still well inside the TTL
                 plain = le_runs[n].request_ids[-20:]
@@ -237,41 +268,66 @@ def run_all(args: argparse.Namespace, levels: list[int], idle: list[int], redis_
     for n in idle:
         with baseline(args.model_dir, args.rate, logs, prefill_s=3600) as (url, pids):
             b_before, b_during = asyncio.run(idle_streams(url, n, pids[0]))
-        with lastevent(args.model_dir, args.rate, redis_url, f"{prefix}i", logs, 60,
-                       scripted_prefill_s="3600", worker_concurrency=str(n + 10)) as (url, pids):
+        with lastevent(
+            args.model_dir,
+            args.rate,
+            redis_url,
+            f"{prefix}i",
+            logs,
+            60,
+            scripted_prefill_s="3600",
+            worker_concurrency=str(n + 10),
+        ) as (url, pids):
             before, during = asyncio.run(idle_streams(url, n, pids[-1]))
-        idle_rows.append((
-            f"{(b_during - b_before) / n / 1024:.1f} KiB ({b_before / 2**20:.0f} -> "
-            f"{b_during / 2**20:.0f} MiB)",
-            f"{(during - before) / n / 1024:.1f} KiB ({before / 2**20:.0f} -> "
-            f"{during / 2**20:.0f} MiB) | {(during - before) / max(b_during - b_before, 1):.2f}",
-        ))
+        idle_rows.append(
+            (
+                f"{(b_during - b_before) / n / 1024:.1f} KiB ({b_before / 2**20:.0f} -> "
+                f"{b_during / 2**20:.0f} MiB)",
+                f"{(during - before) / n / 1024:.1f} KiB ({before / 2**20:.0f} -> "
+                f"{during / 2**20:.0f} MiB) | "
+                f"{(during - before) / max(b_during - b_before, 1):.2f}",
+            )
+        )
     time.sleep(max(0.0, ttl_s + 2 - (time.monotonic() - ended)))
     left = sum(1 for _ in redis.Redis.from_url(redis_url).scan_iter(f"{prefix}:{{*", count=1000))
 
     runs = {n: (base_runs[n], le_runs[n]) for n in levels}
     top = levels[-1]
     extra = {
-        "Redis memory per stored token / per finished stream":
-            f"{mem_token:.0f} B / {mem_stream / 1024:.1f} KiB",
+        "Redis memory per stored token / per finished stream": (
+            f"{mem_token:.0f} B / {mem_stream / 1024:.1f} KiB"
+        ),
         f"per-request keys left {ttl_s} s after the TTL": str(left),
     }
-    idle_table = [f"| server RSS per open idle stream, {n} streams | {b} | {le} |"
-                  for n, (b, le) in zip(idle, idle_rows, strict=True)]
-    heading = (f"{top} streams x {args.rate:g} tok/s, ~{args.tokens} tokens each; "
-               f"{args.resumes} of lastevent's streams drop and resume, {args.aborts} of each "
-               f"system's are aborted part way. Command: `{' '.join(['python -m bench.harness', *sys.argv[1:]])}`")
-    md = "\n\n".join([heading, "\n".join([report.main_table(*runs[top], extra), *idle_table]),
-                      "Throughput vs concurrency:", report.sweep_table(runs, args.rate),
-                      "Where the CPU goes (all of it on one 2-core machine):",
-                      report.cpu_table(runs)])
+    idle_table = [
+        f"| server RSS per open idle stream, {n} streams | {b} | {le} |"
+        for n, (b, le) in zip(idle, idle_rows, strict=True)
+    ]
+    command = " ".join(["python -m bench.harness", *sys.argv[1:]])
+    heading = (
+        f"{top} streams x {args.rate:g} tok/s, ~{args.tokens} tokens each; "
+        f"{args.resumes} of lastevent's streams drop and resume, {args.aborts} of each "
+        f"system's are aborted part way. Command: `{command}`"
+    )
+    md = "\n\n".join(
+        [
+            heading,
+            "\n".join([report.main_table(*runs[top], extra), *idle_table]),
+            "Throughput vs concurrency:",
+            report.sweep_table(runs, args.rate),
+            "Where the CPU goes (all of it on one 2-core machine):",
+            report.cpu_table(runs),
+        ]
+    )
     (args.out / "results.md").write_text(md + "\n")
     (args.out / "results.json").write_text(report.summary_json(runs))
     pngs = report.plots(runs, args.rate, args.out)
     print("\n" + md + "\n")
-    print(f"wrote {args.out / 'results.md'}, results.json, "
-          f"{', '.join(p.name for p in pngs)}; logs in {logs}; "
-          f"took {time.monotonic() - started:.0f} s")
+    print(
+        f"wrote {args.out / 'results.md'}, results.json, "
+        f"{', '.join(p.name for p in pngs)}; logs in {logs}; "
+        f"took {time.monotonic() - started:.0f} s"
+    )
 
 
 if __name__ == "__main__":

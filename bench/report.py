@@ -29,8 +29,10 @@ def _ratio(b: float, le: float) -> str:
 
 
 def main_table(base: Run, le: Run, extra: dict[str, Any]) -> str:
-    rows = ["| metric | baseline (no Redis) | lastevent | lastevent / baseline |",
-            "| --- | --- | --- | --- |"]
+    rows = [
+        "| metric | baseline (no Redis) | lastevent | lastevent / baseline |",
+        "| --- | --- | --- | --- |",
+    ]
 
     def row(name: str, b: float, l_: float, unit: str) -> None:
         rows.append(f"| {name} | {_fmt(b, unit)} | {_fmt(l_, unit)} | {_ratio(b, l_)} |")
@@ -42,11 +44,15 @@ def main_table(base: Run, le: Run, extra: dict[str, Any]) -> str:
         row(f"added latency per token {name}", pct(base.added_ms, q), pct(le.added_ms, q), "ms")
     for q, name in ((0.5, "p50"), (0.99, "p99")):
         row(f"abort latency {name}", pct(base.abort_ms, q), pct(le.abort_ms, q), "ms")
-    rows.append(f"| resume latency p50 / p99 | n/a (cannot resume) | "
-                f"{pct(le.resume_ms, 0.5):.1f} / {pct(le.resume_ms, 0.99):.1f} ms | |")
-    rows.append(f"| lost / duplicated characters | {base.lost_chars} / {base.dup_chars} "
-                f"({base.checked} streams) | {le.lost_chars} / {le.dup_chars} "
-                f"({le.checked} streams) | |")
+    rows.append(
+        f"| resume latency p50 / p99 | n/a (cannot resume) | "
+        f"{pct(le.resume_ms, 0.5):.1f} / {pct(le.resume_ms, 0.99):.1f} ms | |"
+    )
+    rows.append(
+        f"| lost / duplicated characters | {base.lost_chars} / {base.dup_chars} "
+        f"({base.checked} streams) | {le.lost_chars} / {le.dup_chars} "
+        f"({le.checked} streams) | |"
+    )
     rows.append(f"| failed streams | {base.errors} | {le.errors} | |")
     for name, value in extra.items():
         rows.append(f"| {name} | n/a | {value} | |")
@@ -54,15 +60,18 @@ def main_table(base: Run, le: Run, extra: dict[str, Any]) -> str:
 
 
 def sweep_table(runs: dict[int, tuple[Run, Run]], rate: float) -> str:
-    rows = ["| streams | offered tok/s | baseline tok/s | lastevent tok/s | ratio | "
-            "added p99 baseline / lastevent (ms) | TTFT p50 baseline / lastevent (ms) |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| streams | offered tok/s | baseline tok/s | lastevent tok/s | ratio | "
+        "added p99 baseline / lastevent (ms) | TTFT p50 baseline / lastevent (ms) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for n, (b, le) in sorted(runs.items()):
         rows.append(
             f"| {n} | {n * rate:.0f} | {b.tokens_per_s:.0f} | {le.tokens_per_s:.0f} | "
             f"{_ratio(b.tokens_per_s, le.tokens_per_s)} | "
             f"{pct(b.added_ms, 0.99):.1f} / {pct(le.added_ms, 0.99):.1f} | "
-            f"{pct(b.ttft_ms, 0.5):.0f} / {pct(le.ttft_ms, 0.5):.0f} |")
+            f"{pct(b.ttft_ms, 0.5):.0f} / {pct(le.ttft_ms, 0.5):.0f} |"
+        )
     return "\n".join(rows)
 
 
@@ -72,8 +81,10 @@ def _none_if_nan(value: float) -> float | None:
 
 def cpu_table(runs: dict[int, tuple[Run, Run]]) -> str:
     """CPU seconds per 1,000 delivered tokens, by process: where a 2-core machine goes."""
-    rows = ["| streams | system | " + "CPU ms per 1,000 tokens: by process | total |",
-            "| --- | --- | --- | --- |"]
+    rows = [
+        "| streams | system | " + "CPU ms per 1,000 tokens: by process | total |",
+        "| --- | --- | --- | --- |",
+    ]
     for n, pair in sorted(runs.items()):
         for run in pair:
             k = max(run.tokens, 1) / 1000
@@ -88,10 +99,13 @@ def summary_json(runs: dict[int, tuple[Run, Run]]) -> str:
     for n, pair in runs.items():
         for run in pair:
             out[f"{run.system}@{n}"] = {
-                "tokens_per_s": run.tokens_per_s, "errors": run.errors,
-                **{f"{name}_p{int(q * 100)}": _none_if_nan(pct(getattr(run, name), q))
-                   for name in ("ttft_ms", "added_ms", "resume_ms", "abort_ms")
-                   for q in (0.5, 0.99, 1.0)},
+                "tokens_per_s": run.tokens_per_s,
+                "errors": run.errors,
+                **{
+                    f"{name}_p{int(q * 100)}": _none_if_nan(pct(getattr(run, name), q))
+                    for name in ("ttft_ms", "added_ms", "resume_ms", "abort_ms")
+                    for q in (0.5, 0.99, 1.0)
+                },
             }
     return json.dumps(out, indent=1)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import subprocess
@@ -43,9 +44,22 @@ ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 @contextlib.contextmanager
 def vllm_server(model_dir: Path, log: Path) -> Iterator[str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", MODEL, "--dtype", "float32", "--enforce-eager",
-           "--max-model-len", "2048", "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        MODEL,
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "2048",
+        "--port",
+        str(port),
+    ]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, env={**os.environ, **ENGINE_ENV}, stdout=out, stderr=out)
     try:
@@ -58,12 +72,20 @@ def vllm_server(model_dir: Path, log: Path) -> Iterator[str]:
 @contextlib.contextmanager
 def lastevent_stack(model_dir: Path, redis_url: str, logs: Path) -> Iterator[str]:
     port = free_port()
-    env = {**os.environ, **ENGINE_ENV, "LASTEVENT_REDIS_URL": redis_url,
-           "LASTEVENT_MODEL_DIR": str(model_dir), "LASTEVENT_PORT": str(port),
-           "LASTEVENT_KEY_PREFIX": f"bench{uuid.uuid4().hex[:6]}", "LASTEVENT_ENGINE": "vllm",
-           "LASTEVENT_VLLM_DTYPE": "float32", "LASTEVENT_VLLM_ENFORCE_EAGER": "true",
-           "LASTEVENT_VLLM_KV_CACHE_GB": "1", "LASTEVENT_VLLM_MAX_MODEL_LEN": "2048",
-           "LASTEVENT_WORKER_CONCURRENCY": "64"}
+    env = {
+        **os.environ,
+        **ENGINE_ENV,
+        "LASTEVENT_REDIS_URL": redis_url,
+        "LASTEVENT_MODEL_DIR": str(model_dir),
+        "LASTEVENT_PORT": str(port),
+        "LASTEVENT_KEY_PREFIX": f"bench{uuid.uuid4().hex[:6]}",
+        "LASTEVENT_ENGINE": "vllm",
+        "LASTEVENT_VLLM_DTYPE": "float32",
+        "LASTEVENT_VLLM_ENFORCE_EAGER": "true",
+        "LASTEVENT_VLLM_KV_CACHE_GB": "1",
+        "LASTEVENT_VLLM_MAX_MODEL_LEN": "2048",
+        "LASTEVENT_WORKER_CONCURRENCY": "64",
+    }
     env.pop("LASTEVENT_DATABASE_URL", None)  # no ledger: measure the stream path only
     procs = start_roles(env, logs)
     try:
@@ -78,9 +100,16 @@ def lastevent_stack(model_dir: Path, redis_url: str, logs: Path) -> Iterator[str
         stop(procs)
 
 
-async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "stream": True,
-            "max_tokens": max_tokens, "temperature": 0}
+async def one_request(
+    client: httpx.AsyncClient, prompt: str, max_tokens: int
+) -> tuple[float, list[float]]:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "stream": True,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
     start = time.perf_counter()
     arrivals: list[float] = []
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -91,10 +120,12 @@ async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -
             if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
                 arrivals.append(time.perf_counter())
     ttft = arrivals[0] - start
-    return ttft, [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    return ttft, [b - a for a, b in itertools.pairwise(arrivals)]
 
 
-async def load(url: str, concurrency: int, per_client: int, max_tokens: int) -> dict[str, list[float]]:
+async def load(
+    url: str, concurrency: int, per_client: int, max_tokens: int
+) -> dict[str, list[float]]:
     ttfts: list[float] = []
     itls: list[float] = []
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
@@ -116,21 +147,30 @@ def pct(values: list[float], q: float) -> float:
 
 
 def table(results: dict[int, dict[str, dict[str, list[float]]]]) -> str:
-    rows = ["| concurrency | metric | vLLM server (ms) | lastevent (ms) | lastevent / vLLM |",
-            "| --- | --- | --- | --- | --- |"]
+    rows = [
+        "| concurrency | metric | vLLM server (ms) | lastevent (ms) | lastevent / vLLM |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for c, by_system in results.items():
         for metric in ("ttft", "itl"):
             for name, q in (("p50", 0.5), ("p99", 0.99)):
                 v = pct(by_system["vllm"][metric], q)
                 le = pct(by_system["lastevent"][metric], q)
-                rows.append(f"| {c} | {metric.upper()} {name} | {v:.1f} | {le:.1f} | {le / v:.2f} |")
+                rows.append(
+                    f"| {c} | {metric.upper()} {name} | {v:.1f} | {le:.1f} | {le / v:.2f} |"
+                )
     return "\n".join(rows)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-dir", type=Path,
-                        default=Path(__file__).resolve().parents[1] / ".cache/models" / MODEL)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=Path(__file__).resolve().parents[1] / ".cache/models" / MODEL,
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--per-client", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)

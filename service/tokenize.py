@@ -17,7 +17,6 @@ from jinja2 import Template
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-
 INFO_FILE = "lastevent.json"
 
 
@@ -94,7 +93,11 @@ def _hf_meta(model_dir: Path) -> dict[str, Any]:
         path = model_dir / name
         return json.loads(path.read_text()) if path.exists() else {}
 
-    tok, config, gen = read("tokenizer_config.json"), read("config.json"), read("generation_config.json")
+    tok, config, gen = (
+        read("tokenizer_config.json"),
+        read("config.json"),
+        read("generation_config.json"),
+    )
     template = tok.get("chat_template")
     if template is None and (model_dir / "chat_template.jinja").exists():
         template = (model_dir / "chat_template.jinja").read_text()

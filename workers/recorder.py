@@ -74,8 +74,10 @@ class Recorder:
                 log.warning("recorder: redis error (retrying in %.1fs): %s", backoff, exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
-            except Exception as exc:  # Postgres down: keep the entries pending, retry
-                log.warning("recorder: ledger write failed (retrying in %.1fs): %s", backoff, exc)
+            except Exception:  # Postgres down: keep the entries pending, retry
+                log.warning(
+                    "recorder: ledger write failed (retrying in %.1fs)", backoff, exc_info=True
+                )
                 self._backlog = True
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)

@@ -117,8 +117,12 @@ class Runner:
         (what the 503 "queue would wait too long" estimate is made of)."""
         while True:
             if not self._stopping.is_set():
-                beat = Heartbeat(self.settings.worker_concurrency, len(self._tasks),
-                                 int(time.time() * 1000), int(self.mean_service_ms))
+                beat = Heartbeat(
+                    self.settings.worker_concurrency,
+                    len(self._tasks),
+                    int(time.time() * 1000),
+                    int(self.mean_service_ms),
+                )
                 try:
                     await self.heartbeats.beat(self.settings.worker_id, beat)
                 except RedisError as exc:
@@ -152,8 +156,10 @@ class Runner:
             await self._end(rid, epoch, first, outcome, dispatched_ms)
             await self.queue.ack(entry_id)
             took_ms = time.time() * 1000 - dispatched_ms
-            self.mean_service_ms = took_ms if not self.mean_service_ms else (
-                0.9 * self.mean_service_ms + 0.1 * took_ms
+            self.mean_service_ms = (
+                took_ms
+                if not self.mean_service_ms
+                else (0.9 * self.mean_service_ms + 0.1 * took_ms)
             )
         except Fenced:
             log.warning("request %s was taken over by another worker; stopping", rid)
@@ -208,8 +214,12 @@ class Runner:
                         await self.queue.ack(entry_id)
                         return
                 await self.log.end_errored(
-                    rid, epoch, "internal_error", "the worker failed while serving this request",
-                    ttl_s=self.settings.hot_log_ttl_s, worker_id=self.settings.worker_id,
+                    rid,
+                    epoch,
+                    "internal_error",
+                    "the worker failed while serving this request",
+                    ttl_s=self.settings.hot_log_ttl_s,
+                    worker_id=self.settings.worker_id,
                     prompt_tokens=len(job.prompt_token_ids),
                 )
                 await self.queue.ack(entry_id)
@@ -217,9 +227,13 @@ class Runner:
             except (Fenced, AlreadyEnded):
                 await self.queue.ack(entry_id)
                 return
-            except Exception as exc:
-                log.warning("could not end request %s after a failure (try %d): %s",
-                            rid, attempt + 1, exc)
+            except Exception:
+                log.warning(
+                    "could not end request %s after a failure (try %d)",
+                    rid,
+                    attempt + 1,
+                    exc_info=True,
+                )
                 await asyncio.sleep(0.5 * 2**attempt)
 
     def _summary(

@@ -20,8 +20,9 @@ def upgrade() -> None:
     op.create_table(
         "tenants",
         sa.Column("name", sa.String(128), nullable=False),
-        sa.Column("created_at", sa.DateTime(timezone=True), server_default=sa.func.now(),
-                  nullable=False),
+        sa.Column(
+            "created_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False
+        ),
         sa.PrimaryKeyConstraint("name", name=op.f("pk_tenants")),
     )
     op.create_table(
@@ -31,11 +32,13 @@ def upgrade() -> None:
         sa.Column("secret_hash", sa.String(64), nullable=False),
         sa.Column("role", sa.String(16), server_default="user", nullable=False),
         sa.Column("models", sa.Text(), nullable=True),
-        sa.Column("created_at", sa.DateTime(timezone=True), server_default=sa.func.now(),
-                  nullable=False),
+        sa.Column(
+            "created_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False
+        ),
         sa.Column("revoked_at", sa.DateTime(timezone=True), nullable=True),
-        sa.ForeignKeyConstraint(["tenant"], ["tenants.name"],
-                                name=op.f("fk_api_keys_tenant_tenants")),
+        sa.ForeignKeyConstraint(
+            ["tenant"], ["tenants.name"], name=op.f("fk_api_keys_tenant_tenants")
+        ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_api_keys")),
     )
     op.create_index(op.f("ix_api_keys_tenant"), "api_keys", ["tenant"])

@@ -69,8 +69,14 @@ def _http_error(_: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
 
 def _internal_error(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     log.error("unhandled error", exc_info=exc)
-    body = {"error": {"message": "internal server error", "type": "server_error",
-                      "param": None, "code": None}}
+    body = {
+        "error": {
+            "message": "internal server error",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+    }
     return Response(body, status_code=500)
 
 
@@ -78,7 +84,9 @@ def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
     model = ModelInfo.load(settings.resolved_model_dir, settings.model_name)
     drain = drain or Drain()
     if settings.auth == "required" and not settings.database_url:
-        raise RuntimeError("API keys live in Postgres: set LASTEVENT_DATABASE_URL or LASTEVENT_AUTH=off")
+        raise RuntimeError(
+            "API keys live in Postgres: set LASTEVENT_DATABASE_URL or LASTEVENT_AUTH=off"
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:

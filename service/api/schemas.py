@@ -13,6 +13,7 @@ from msgspec import Meta
 
 from service.stream.params import RequestSampling
 
+
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
     # lastevent: how long the request survives without any reader (None: server default;

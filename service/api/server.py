@@ -56,7 +56,7 @@ def guarded_h11(read_timeout_s: float) -> type[H11Protocol]:
     class GuardedH11(H11Protocol):
         _read_timer: asyncio.TimerHandle | None = None
 
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self._arm()
 

@@ -37,8 +37,9 @@ def new_request_id(kind: Kind) -> str:
     return ("chatcmpl-" if kind == Kind.CHAT else "cmpl-") + secrets.token_hex(16)
 
 
-def check_model(ctx: Context, body: ChatCompletionRequest | CompletionRequest,
-                principal: Principal) -> None:
+def check_model(
+    ctx: Context, body: ChatCompletionRequest | CompletionRequest, principal: Principal
+) -> None:
     if body.model != ctx.model.name:
         raise InvalidRequest(
             f"the model '{body.model}' does not exist; this server serves '{ctx.model.name}'",

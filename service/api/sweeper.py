@@ -46,8 +46,8 @@ class Sweeper:
             await asyncio.sleep(self.interval_s)
             try:
                 await self.sweep()
-            except Exception as exc:  # the next round tries again
-                log.warning("sweep failed: %s", exc)
+            except Exception:  # the next round tries again
+                log.warning("sweep failed", exc_info=True)
 
     async def sweep(self) -> int:
         swept = 0
@@ -71,8 +71,9 @@ class Sweeper:
             return
         message = f"the worker running this request ({worker}) stopped responding"
         try:
-            await self.log.end_errored(rid, epoch, "worker_lost", message,
-                                       ttl_s=self.hot_log_ttl_s, worker_id=worker)
+            await self.log.end_errored(
+                rid, epoch, "worker_lost", message, ttl_s=self.hot_log_ttl_s, worker_id=worker
+            )
             log.warning("request %s: worker %s lost; ended errored", rid, worker)
         except LogError as exc:
             log.warning("request %s: could not end it: %s", rid, exc)

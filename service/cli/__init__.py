@@ -34,8 +34,10 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--force", action="store_true")
     billing = sub.add_parser("billing", help="reconcile and export usage")
     billing_sub = billing.add_subparsers(dest="billing_cmd", required=True)
-    for name, text in (("reconcile", "compare terminal events with ledger rows"),
-                       ("export", "per-tenant usage")):
+    for name, text in (
+        ("reconcile", "compare terminal events with ledger rows"),
+        ("export", "per-tenant usage"),
+    ):
         b = billing_sub.add_parser(name, help=text)
         b.add_argument("--since", required=True, help="ISO time, e.g. 2026-11-30T00:00")
         b.add_argument("--until", help="ISO time (default: now)")

@@ -50,7 +50,10 @@ class Report:
         out = [f"checked {self.checked} terminal events"]
         out += [f"MISSING row for {rid}" for rid in self.missing]
         out += [f"DUPLICATE terminal events for {rid}" for rid in self.duplicate]
-        out += [f"MISMATCH {rid}: {f} is {got!r}, log says {want!r}" for rid, f, got, want in self.mismatched]
+        out += [
+            f"MISMATCH {rid}: {f} is {got!r}, log says {want!r}"
+            for rid, f, got, want in self.mismatched
+        ]
         out += [f"UNEXPECTED row {rid}: no terminal event in the outbox" for rid in self.unexpected]
         out.append("clean" if self.clean else "NOT clean")
         return out
@@ -83,15 +86,30 @@ async def reconcile(
         if last is not None and isinstance(last[1], End):
             end = last[1]
             if (end.completion_tokens, end.state) != (row.completion_tokens, row.state):
-                report.mismatched.append((rid, "hot log end", (row.completion_tokens, row.state),
-                                          (end.completion_tokens, end.state)))
+                report.mismatched.append(
+                    (
+                        rid,
+                        "hot log end",
+                        (row.completion_tokens, row.state),
+                        (end.completion_tokens, end.state),
+                    )
+                )
     report.unexpected = sorted(set(rows) - set(expected))
     return report
 
 
-EXPORT_FIELDS = ("tenant", "model", "requests", "prompt_tokens", "completion_tokens",
-                 "total_tokens", "wasted_tokens")
+EXPORT_FIELDS = (
+    "tenant",
+    "model",
+    "requests",
+    "prompt_tokens",
+    "completion_tokens",
+    "total_tokens",
+    "wasted_tokens",
+)
 
 
-async def export_usage(ledger: Ledger, since: dt.datetime, until: dt.datetime) -> list[dict[str, Any]]:
+async def export_usage(
+    ledger: Ledger, since: dt.datetime, until: dt.datetime
+) -> list[dict[str, Any]]:
     return [dict(r._mapping) for r in await ledger.usage_by_tenant(since, until)]

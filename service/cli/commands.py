@@ -147,8 +147,10 @@ def keys_create(settings: Settings, args: argparse.Namespace) -> int:
 
 def archive_purge(settings: Settings, args: argparse.Namespace) -> int:
     days = settings.archive_retention_days if args.older_than_days is None else args.older_than_days
-    older = None if args.tenant and args.older_than_days is None else (
-        dt.datetime.now(dt.UTC) - dt.timedelta(days=days)
+    older = (
+        None
+        if args.tenant and args.older_than_days is None
+        else (dt.datetime.now(dt.UTC) - dt.timedelta(days=days))
     )
     n = _with_stores(
         settings, lambda s: s.ledger.purge_archives(older_than=older, tenant=args.tenant)

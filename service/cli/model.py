@@ -102,7 +102,9 @@ def prepare_model(model_dir: Path, *, force: bool = False, model_name: str = MOD
     with _file_lock(model_dir.with_name(model_dir.name + ".lock")):
         if not force and is_prepared(model_dir):
             return model_dir
-        tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.", suffix=".tmp", dir=model_dir.parent))
+        tmp = Path(
+            tempfile.mkdtemp(prefix=f".{model_dir.name}.", suffix=".tmp", dir=model_dir.parent)
+        )
         try:
             _convert(gguf_path, tmp, model_name)
             _make_readable(tmp)
@@ -131,7 +133,9 @@ def _swap_into_place(tmp: Path, model_dir: Path) -> None:
     """
     trash: Path | None = None
     if model_dir.exists() or model_dir.is_symlink():
-        trash = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.", suffix=".old", dir=model_dir.parent))
+        trash = Path(
+            tempfile.mkdtemp(prefix=f".{model_dir.name}.", suffix=".old", dir=model_dir.parent)
+        )
         os.rename(model_dir, trash / "old")
     os.rename(tmp, model_dir)
     if trash is not None:
@@ -255,4 +259,6 @@ def _check_tokenizer_json(target: Path, eos_token_ids: tuple[int, ...]) -> None:
     for token_id in eos_token_ids:
         text = tokenizer.id_to_token(token_id)
         if text is None or tokenizer.encode(text, add_special_tokens=False).ids != [token_id]:
-            raise ModelPrepareError(f"tokenizer.json does not map EOS {token_id} ({text!r}) to itself")
+            raise ModelPrepareError(
+                f"tokenizer.json does not map EOS {token_id} ({text!r}) to itself"
+            )

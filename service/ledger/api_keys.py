@@ -43,7 +43,9 @@ class ApiKeys:
         secret = secret or secrets.token_hex(16)
         async with self.engine.begin() as conn:
             await conn.execute(
-                insert(TenantRow).values(name=tenant).on_conflict_do_nothing(index_elements=["name"])
+                insert(TenantRow)
+                .values(name=tenant)
+                .on_conflict_do_nothing(index_elements=["name"])
             )
             await conn.execute(
                 insert(ApiKeyRow)

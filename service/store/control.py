@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -27,6 +28,7 @@ from service.stream import events as ev
 from service.stream.lifecycle import Meta
 
 log = logging.getLogger(__name__)
+
 
 def now_ms() -> int:
     return int(time.time() * 1000)
@@ -62,7 +64,7 @@ class Control:
         self, rid: str, queued_end: ev.End, ttl_s: int, queued_summary: ev.Summary
     ) -> CancelOutcome:
         keys = [self.keys.meta(rid), self.keys.log(rid), self.keys.outbox, self.keys.scratch(rid)]
-        args = [ev.encode(queued_end), ttl_s, ev.encode_summary(queued_summary)]
+        args: list[Any] = [ev.encode(queued_end), ttl_s, ev.encode_summary(queued_summary)]
         parts = replies.texts(await self._cancel(keys=keys, args=args))
         outcome = CancelOutcome(parts[0], parts[1] if len(parts) > 1 else None)
         if outcome.outcome == "cancelling" and outcome.detail:
@@ -82,7 +84,9 @@ class Control:
     async def lease(self, leases: Sequence[tuple[str, str, int]], expiry_ms: int) -> None:
         """Write (or refresh) leases -- (request id, reader token, tokens delivered) --
         in one pipelined round trip."""
-        calls = [(self._keys(rid), [token, expiry_ms, delivered]) for rid, token, delivered in leases]
+        calls = [
+            (self._keys(rid), [token, expiry_ms, delivered]) for rid, token, delivered in leases
+        ]
         if calls:
             await scripts.run_pipelined(self.redis, self._lease, calls)
 
@@ -119,4 +123,4 @@ class Control:
                 await asyncio.sleep(0.5)
             finally:
                 with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py: untyped

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from redis.asyncio import Redis
 
@@ -37,7 +38,7 @@ class Limits:
         """Count the request against ``principal``'s limits (0: none); returns the verdict
         and, when refused, the milliseconds until it may try again."""
         keys = [self.keys.inflight(principal), self.keys.rate(principal, now_ms // 60_000)]
-        args = [now_ms, max_in_flight, per_minute, request_id, slot_expiry_ms]
+        args: list[Any] = [now_ms, max_in_flight, per_minute, request_id, slot_expiry_ms]
         verdict, *rest = await self._admit(keys=keys, args=args)
         return Admitted(replies.integer(verdict)), replies.integer(rest[0] if rest else 0)
 

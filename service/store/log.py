@@ -96,8 +96,13 @@ class RedisLog:
         ]
         token, expiry_ms = lease if lease is not None else ("", 0)
         args: list[Any] = [
-            ev.encode(created), safety_ttl_s, grace_ms, "1" if detached else "0", token,
-            expiry_ms, job,
+            ev.encode(created),
+            safety_ttl_s,
+            grace_ms,
+            "1" if detached else "0",
+            token,
+            expiry_ms,
+            job,
         ]
         try:
             raw = await self._create(keys=keys, args=args)
@@ -135,10 +140,19 @@ class RedisLog:
         args: list[bytes | str | int] = []
         for item in items:
             rid = item.request_id
-            keys += [self.keys.meta(rid), self.keys.log(rid), self.keys.readers(rid),
-                     self.keys.scratch(rid)]
-            args += [str(item.epoch), item.terminal_state, item.ttl_s, item.summary,
-                     len(item.events)]
+            keys += [
+                self.keys.meta(rid),
+                self.keys.log(rid),
+                self.keys.readers(rid),
+                self.keys.scratch(rid),
+            ]
+            args += [
+                str(item.epoch),
+                item.terminal_state,
+                item.ttl_s,
+                item.summary,
+                len(item.events),
+            ]
             args.extend(ev.encode(e) for e in item.events)
         raw = await self._append(keys=keys, args=args)  # reloads the script if need be
         out: list[list[EventId] | LogError] = []
@@ -173,11 +187,22 @@ class RedisLog:
             prompt_tokens = first[1].prompt_tokens
         completion = max((e.n for _, e in entries if isinstance(e, ev.Delta)), default=0)
         end = ev.End(str(State.ERRORED), None, prompt_tokens, completion)
-        summary = ev.summarize(request_id, first, end, now_ms=int(time.time() * 1000),
-                               error_code=code, worker_id=worker_id)
-        await self.append(request_id, epoch, [ev.Error(code, message), end],
-                          terminal_state=end.state, ttl_s=ttl_s,
-                          summary=ev.encode_summary(summary))
+        summary = ev.summarize(
+            request_id,
+            first,
+            end,
+            now_ms=int(time.time() * 1000),
+            error_code=code,
+            worker_id=worker_id,
+        )
+        await self.append(
+            request_id,
+            epoch,
+            [ev.Error(code, message), end],
+            terminal_state=end.state,
+            ttl_s=ttl_s,
+            summary=ev.encode_summary(summary),
+        )
 
     async def meta(self, request_id: str) -> RequestMeta | None:
         raw = await self.redis.hgetall(self.keys.meta(request_id))
@@ -194,12 +219,12 @@ class RedisLog:
         self, request_id: str, after: EventId | None = None, count: int | None = None
     ) -> list[tuple[EventId, ev.Event]]:
         start = "-" if after is None else f"({after}"
-        raw = await self.redis.xrange(self.keys.log(request_id), min=start, count=count)
+        raw: Any = await self.redis.xrange(self.keys.log(request_id), min=start, count=count)
         return _entries(raw)
 
     async def read_raw(self, request_id: str) -> list[tuple[EventId, bytes]]:
         """Every entry's id and payload bytes, as stored (what the archive keeps)."""
-        raw = await self.redis.xrange(self.keys.log(request_id))
+        raw: Any = await self.redis.xrange(self.keys.log(request_id))
         return [(_decode_id(entry_id), fields[EVENT_FIELD]) for entry_id, fields in raw]
 
     async def look(
@@ -213,9 +238,9 @@ class RedisLog:
         if event_id is not None:
             pipe.xrange(key, min=str(event_id), max=str(event_id), count=1)
         pipe.xrevrange(key, count=1)
-        replies = await pipe.execute()
-        first, last = _entries(replies[0]), _entries(replies[-1])
-        found = bool(replies[1]) if event_id is not None else False
+        results: Any = await pipe.execute()
+        first, last = _entries(results[0]), _entries(results[-1])
+        found = bool(results[1]) if event_id is not None else False
         return (first[0] if first else None), found, (last[0] if last else None)
 
     async def first(self, request_id: str) -> ev.Created | None:
@@ -229,7 +254,7 @@ class RedisLog:
         return entries[0][0], entries[0][1]
 
     async def last(self, request_id: str) -> tuple[EventId, ev.Event] | None:
-        raw = await self.redis.xrevrange(self.keys.log(request_id), count=1)
+        raw: Any = await self.redis.xrevrange(self.keys.log(request_id), count=1)
         entries = _entries(raw)
         return entries[0] if entries else None
 
@@ -294,7 +319,7 @@ class AppendBatcher:
     async def _flush(self, batch: list[tuple[Append, asyncio.Future[list[EventId]]]]) -> None:
         try:
             results = await self._log.append_many([item for item, _ in batch])
-        except Exception as exc:  # connection trouble: every caller of this flush sees it
+        except Exception as exc:  # noqa: BLE001 - every caller of this flush gets it raised
             for _, future in batch:
                 if not future.done():
                     future.set_exception(exc)

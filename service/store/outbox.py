@@ -8,6 +8,8 @@ reads a time range of it.
 
 from __future__ import annotations
 
+from typing import Any
+
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
@@ -37,24 +39,29 @@ class Outbox:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    async def read(
-        self, consumer: str, count: int, *, pending: bool, block_ms: int
-    ) -> list[Entry]:
+    async def read(self, consumer: str, count: int, *, pending: bool, block_ms: int) -> list[Entry]:
         """``pending``: this consumer's own unacked entries, oldest first (no wait);
         otherwise new entries, waiting up to ``block_ms`` for one."""
-        reply = await self.redis.xreadgroup(
-            RECORDER_GROUP, consumer, {self.keys.outbox: "0" if pending else ">"},
-            count=count, block=None if pending else block_ms,
+        reply: Any = await self.redis.xreadgroup(
+            RECORDER_GROUP,
+            consumer,
+            {self.keys.outbox: "0" if pending else ">"},
+            count=count,
+            block=None if pending else block_ms,
         )
         return [_entry(eid, fields) for _key, items in reply or [] for eid, fields in items]
 
     async def claim_idle(self, consumer: str, min_idle_ms: int, count: int) -> int:
         """Take over entries another recorder read but never acked (it died)."""
-        _next, claimed, *_ = await self.redis.xautoclaim(
-            self.keys.outbox, RECORDER_GROUP, consumer,
-            min_idle_time=min_idle_ms, start_id="0-0", count=count,
+        reply: Any = await self.redis.xautoclaim(
+            self.keys.outbox,
+            RECORDER_GROUP,
+            consumer,
+            min_idle_time=min_idle_ms,
+            start_id="0-0",
+            count=count,
         )
-        return len(claimed)
+        return len(reply[1])
 
     async def trim(self, oldest_ms: int) -> None:
         await self.redis.xtrim(self.keys.outbox, minid=f"{oldest_ms}-0", approximate=True)
@@ -65,7 +72,7 @@ class Outbox:
     async def ended_between(self, since_ms: int, until_ms: int) -> list[tuple[Summary, str]]:
         """Summaries whose terminal event id falls in [since_ms, until_ms)."""
         # an entry is written in the same script as its terminal event: same ms or later
-        raw = await self.redis.xrange(self.keys.outbox, min=f"{since_ms}-0", max="+")
+        raw: Any = await self.redis.xrange(self.keys.outbox, min=f"{since_ms}-0", max="+")
         out = []
         for entry_id, fields in raw:
             _id, found = _entry(entry_id, fields)

@@ -13,10 +13,10 @@ opening a connection, paid 256 times in a burst of new streams. It is read once 
 from __future__ import annotations
 
 import functools
+from importlib.metadata import version
 from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, Redis
-from redis.utils import get_lib_version
 
 
 @functools.cache
@@ -25,7 +25,7 @@ def _driver_info() -> dict[str, Any]:
         from redis.driver_info import DriverInfo  # redis-py >= 7.1
     except ImportError:  # older: its own per-connection lookup
         return {}
-    return {"driver_info": DriverInfo(name="redis-py", lib_version=get_lib_version())}
+    return {"driver_info": DriverInfo(name="redis-py", lib_version=version("redis"))}
 
 
 def connect(url: str, max_connections: int, *, wait_s: float = 30.0, **kwargs: Any) -> Redis:

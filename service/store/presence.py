@@ -85,9 +85,7 @@ class Presence:
         self._leases.discard(lease)
         try:
             # shielded: a reader's task is often being cancelled (client gone) right now
-            await asyncio.shield(
-                self.control.leave(lease.request_id, lease.token, lease.delivered)
-            )
+            await asyncio.shield(self.control.leave(lease.request_id, lease.token, lease.delivered))
         except RedisError as exc:  # the lease lapses by itself
             log.warning("could not release lease of %s: %s", lease.request_id, exc)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 import msgspec
 from redis.asyncio import Redis
@@ -75,10 +76,11 @@ class RequestQueue:
 
     async def enqueue(self, job: Job) -> bytes:
         """A job on its own (the API's jobs go in with their log, in ``create.lua``)."""
-        return bytes(await self.redis.xadd(self.keys.queue, {JOB_FIELD: encode_job(job)}))
+        entry_id: Any = await self.redis.xadd(self.keys.queue, {JOB_FIELD: encode_job(job)})
+        return bytes(entry_id)
 
     async def read(self, consumer: str, count: int, block_ms: int) -> list[tuple[bytes, Job]]:
-        reply = await self.redis.xreadgroup(
+        reply: Any = await self.redis.xreadgroup(
             QUEUE_GROUP, consumer, {self.keys.queue: ">"}, count=count, block=block_ms
         )
         out: list[tuple[bytes, Job]] = []
@@ -113,13 +115,13 @@ class RequestQueue:
     ) -> list[tuple[bytes, Job | None]]:
         """Move ``consumer``'s pending jobs (idle at least ``min_idle_ms``, so that one
         claimant wins) to ``claimant``; a job trimmed meanwhile comes back as ``None``."""
-        pending = await self.redis.xpending_range(
+        pending: Any = await self.redis.xpending_range(
             self.keys.queue, QUEUE_GROUP, min="-", max="+", count=count, consumername=consumer
         )
         ids = [p["message_id"] for p in pending]
         if not ids:
             return []
-        claimed = await self.redis.xclaim(
+        claimed: Any = await self.redis.xclaim(
             self.keys.queue, QUEUE_GROUP, claimant, min_idle_time=min_idle_ms, message_ids=ids
         )
         return [

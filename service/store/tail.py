@@ -303,7 +303,10 @@ class _Shard:
         while True:
             streams = self._streams()
             try:
-                reply = await self._reader.xread(streams, count=self._count, block=self._block_ms)
+                names: dict[Any, Any] = streams
+                reply: Any = await self._reader.xread(
+                    names, count=self._count, block=self._block_ms
+                )
                 backoff = 0.05
             except RedisError as exc:
                 log.warning("log tail read failed (retrying in %.2fs): %s", backoff, exc)

@@ -17,8 +17,8 @@ from tokenizers import Tokenizer
 
 from service.stream.detokenize import Detokenizer
 from service.stream.events import Delta, End, Error, Event
-from service.stream.lifecycle import FinishReason, State
 from service.stream.holdback import Holdback
+from service.stream.lifecycle import FinishReason, State
 
 
 @dataclasses.dataclass(slots=True)

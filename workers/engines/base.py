@@ -16,7 +16,7 @@ behaviour every engine must show.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Protocol
 
 from service.stream.params import SamplingParams
@@ -46,6 +46,6 @@ class Engine(Protocol):
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[StepOutput]: ...
+    ) -> AsyncGenerator[StepOutput, None]: ...
 
     async def abort(self, request_id: str) -> None: ...

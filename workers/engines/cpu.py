@@ -15,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import inspect
 import secrets
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,9 @@ class CpuEngine:
         try:
             await loop.run_in_executor(self._executor, self._load)
         except Exception as exc:
-            raise EngineError(f"cpu engine: cannot load {self.model_dir}: {exc}", "engine_start") from exc
+            raise EngineError(
+                f"cpu engine: cannot load {self.model_dir}: {exc}", "engine_start"
+            ) from exc
 
     async def close(self) -> None:
         """Abort everything in flight and let the decode thread finish its current step."""
@@ -108,7 +111,7 @@ class CpuEngine:
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[StepOutput]:
+    ) -> AsyncGenerator[StepOutput, None]:
         """Yield one ``StepOutput`` per generated token; the last one has ``finished``."""
         if self._model is None or self._executor is None:
             raise EngineError("cpu engine is not started", "engine_not_ready")
@@ -172,7 +175,11 @@ class CpuEngine:
         params = request.params
         prompt = request.prompt_token_ids
         self._validate(prompt, params)
-        budget = min(params.max_tokens, self._max_len - len(prompt)) if self._max_len else params.max_tokens
+        budget = (
+            min(params.max_tokens, self._max_len - len(prompt))
+            if self._max_len
+            else params.max_tokens
+        )
         if budget <= 0:
             request.emit(StepOutput([], finished=True, finish_reason="length"))
             return
@@ -224,10 +231,8 @@ def _emitter(
     """Thread-safe put; a closed loop means nobody listens any more, which is fine."""
 
     def emit(item: StepOutput | BaseException) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:
-            pass
 
     return emit
 

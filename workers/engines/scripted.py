@@ -15,10 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
-from service.tokenize import ModelInfo
 from service.stream.params import SamplingParams
+from service.tokenize import ModelInfo
 from workers.engines.base import EngineError, StepOutput
 
 _USER_OPEN = "<|im_start|>user\n"
@@ -70,7 +70,7 @@ class ScriptedEngine:
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[StepOutput]:
+    ) -> AsyncGenerator[StepOutput, None]:
         script = self.script_for(prompt_token_ids)
         eos = self._model.eos_token_ids[:1]
         self.running.add(request_id)
@@ -89,7 +89,7 @@ class ScriptedEngine:
 
     async def _steps(
         self, request_id: str, script: list[int], eos: list[int], max_tokens: int
-    ) -> AsyncIterator[StepOutput]:
+    ) -> AsyncGenerator[StepOutput, None]:
         produced = 0
         next_at = time.monotonic()
         for token_id in [*script, *eos]:
@@ -99,7 +99,9 @@ class ScriptedEngine:
             if self._fail_after is not None and produced >= self._fail_after:
                 raise EngineError(f"scripted failure after {produced} tokens", "engine_failure")
             if self._crash_after is not None and produced >= self._crash_after:
-                raise RuntimeError(f"scripted crash after {produced} tokens")  # a bug, not an engine error
+                raise RuntimeError(
+                    f"scripted crash after {produced} tokens"
+                )  # a bug, not an engine error
             if self._stall_after is not None and produced >= self._stall_after:
                 await self._abort_events[request_id].wait()  # stalled until aborted
                 continue

@@ -28,7 +28,7 @@ async def _require_operator(ctx: Context, request: Request[Any, Any, Any]) -> No
 
 class AdminController(Controller):
     path = "/v1/admin"
-    tags = ["admin"]
+    tags = ("admin",)
 
     @get(
         "/requests/{request_id:str}/replay",
@@ -41,7 +41,7 @@ class AdminController(Controller):
         request: Request[Any, Any, Any],
         request_id: str,
         speed: str = "max",
-        format: str = "sse",  # noqa: A002 - the public parameter name
+        format: str = "sse",
     ) -> Stream:
         await _require_operator(ctx, request)
         if format not in ("sse", "text", "json"):

@@ -81,7 +81,7 @@ async def until_disconnect(
 
 class CompletionsController(Controller):
     path = "/v1"
-    tags = ["completions"]
+    tags = ("completions",)
 
     @post(
         "/chat/completions",
@@ -101,7 +101,7 @@ class CompletionsController(Controller):
             raise InvalidRequest("'messages' must not be empty", param="messages")
         try:
             text = ctx.model.render_chat(message_dicts(data.messages))
-        except Exception as exc:  # the model's template rejects the conversation
+        except Exception as exc:  # noqa: BLE001 - the template rejects the conversation
             raise InvalidRequest(f"invalid messages: {exc}", param="messages") from None
         prompt_ids = ctx.model.encode(text)
         max_tokens = data.max_completion_tokens or data.max_tokens

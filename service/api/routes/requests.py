@@ -61,13 +61,14 @@ async def _archived(ctx: Context, rid: str) -> list[tuple[EventId, Event]]:
 
 
 async def _nothing() -> AsyncIterator[bytes]:
-    return
-    yield b""
+    nothing: tuple[bytes, ...] = ()
+    for chunk in nothing:
+        yield chunk
 
 
 class RequestsController(Controller):
     path = "/v1/requests"
-    tags = ["requests"]
+    tags = ("requests",)
 
     @get(
         "/{request_id:str}/events",
@@ -105,9 +106,9 @@ class RequestsController(Controller):
             RESUMES.inc()
             if not known:
                 raise _foreign(cursor, request_id, param)
-            if last is not None and isinstance(last[1], End) and cursor.event == last[0]:
-                if cursor.frame is None:  # the client has everything: an empty, closed stream
-                    frames = _nothing()
+            ended = last is not None and isinstance(last[1], End) and cursor.event == last[0]
+            if ended and cursor.frame is None:  # the client has it all: an empty, closed stream
+                frames = _nothing()
         return Stream(frames, media_type=sse.MEDIA_TYPE, headers=headers)
 
     @get(

@@ -7,7 +7,9 @@ from typing import Any
 
 import prometheus_client
 from litestar import Controller, Response, get
+from redis.exceptions import RedisError
 from sqlalchemy import text
+from sqlalchemy.exc import SQLAlchemyError
 
 from service.api.context import Context
 
@@ -15,7 +17,7 @@ _STARTED = int(time.time())
 
 
 class SystemController(Controller):
-    tags = ["system"]
+    tags = ("system",)
 
     @get("/v1/models", summary="The served model")
     async def models(self, ctx: Context) -> dict[str, Any]:
@@ -42,14 +44,14 @@ class SystemController(Controller):
         try:
             await ctx.redis.ping()
             checks["redis"] = "ok"
-        except Exception as exc:
+        except (RedisError, OSError) as exc:
             checks["redis"] = f"error: {exc}"
         if ctx.ledger is not None:
             try:
                 async with ctx.ledger.engine.connect() as conn:
                     await conn.execute(text("SELECT 1"))
                 checks["postgres"] = "ok"
-            except Exception as exc:
+            except (SQLAlchemyError, OSError) as exc:
                 checks["postgres"] = f"error: {exc}"
         ready = all(v == "ok" for v in checks.values())
         return Response(

@@ -96,7 +96,7 @@ def _procs_in(directory: Path, name: str) -> list[Any]:
 def _is_gone(proc: Any) -> bool:
     psutil = _psutil()
     try:
-        return proc.status() == psutil.STATUS_ZOMBIE
+        return bool(proc.status() == psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
         return True
 
@@ -169,5 +169,3 @@ class _DirLock:
 
 # --------------------------------------------------------------------------------------------
 # Valkey
-
-

@@ -14,6 +14,9 @@ from types import ModuleType
 from typing import Any
 
 from service.cli.embedded._proc import (
+    DATABASE_NAME,
+    START_TIMEOUT_S,
+    STOP_TIMEOUT_S,
     _DirLock,
     _end_processes,
     _import,
@@ -22,9 +25,6 @@ from service.cli.embedded._proc import (
     _psutil,
     _tail,
     _wait_gone,
-    DATABASE_NAME,
-    START_TIMEOUT_S,
-    STOP_TIMEOUT_S,
 )
 
 _log = logging.getLogger(__name__)

