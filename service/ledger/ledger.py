@@ -11,8 +11,9 @@ import datetime as dt
 import time
 from typing import Any
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, select, text
 from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
 from service.ledger.models import ArchiveRow, RequestRow
@@ -88,6 +89,15 @@ class Ledger:
             return (
                 await session.execute(select(RequestRow).where(RequestRow.id == request_id))
             ).scalar_one_or_none()
+
+    async def check(self) -> str:
+        """``"ok"`` if Postgres answers, else what went wrong (``/readyz``)."""
+        try:
+            async with self.engine.connect() as conn:
+                await conn.execute(text("SELECT 1"))
+        except (SQLAlchemyError, OSError) as exc:
+            return f"error: {exc}"
+        return "ok"
 
     async def archived(self, request_id: str) -> list[tuple[EventId, Event]] | None:
         """The archived log's entries (the hot log's ids and payloads), if there is one."""

@@ -17,6 +17,7 @@ from importlib.metadata import version
 from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.exceptions import RedisError
 
 
 @functools.cache
@@ -34,3 +35,12 @@ def connect(url: str, max_connections: int, *, wait_s: float = 30.0, **kwargs: A
         url, max_connections=max_connections, timeout=wait_s, **kwargs
     )
     return Redis.from_pool(pool)
+
+
+async def check(redis: Redis) -> str:
+    """``"ok"`` if Redis answers, else what went wrong (``/readyz``)."""
+    try:
+        await redis.ping()
+    except (RedisError, OSError) as exc:
+        return f"error: {exc}"
+    return "ok"

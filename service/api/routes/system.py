@@ -7,11 +7,9 @@ from typing import Any
 
 import prometheus_client
 from litestar import Controller, Response, get
-from redis.exceptions import RedisError
-from sqlalchemy import text
-from sqlalchemy.exc import SQLAlchemyError
 
 from service.api.context import Context
+from service.store import pool
 
 _STARTED = int(time.time())
 
@@ -41,18 +39,9 @@ class SystemController(Controller):
     @get("/readyz", summary="Redis and Postgres answer")
     async def readyz(self, ctx: Context) -> Response[dict[str, Any]]:
         checks: dict[str, str] = {}
-        try:
-            await ctx.redis.ping()
-            checks["redis"] = "ok"
-        except (RedisError, OSError) as exc:
-            checks["redis"] = f"error: {exc}"
+        checks["redis"] = await pool.check(ctx.redis)
         if ctx.ledger is not None:
-            try:
-                async with ctx.ledger.engine.connect() as conn:
-                    await conn.execute(text("SELECT 1"))
-                checks["postgres"] = "ok"
-            except (SQLAlchemyError, OSError) as exc:
-                checks["postgres"] = f"error: {exc}"
+            checks["postgres"] = await ctx.ledger.check()
         ready = all(v == "ok" for v in checks.values())
         return Response(
             {"status": "ready" if ready else "unavailable", "checks": checks},
