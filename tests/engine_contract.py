@@ -1,0 +1,293 @@
+"""The engine contract: what every engine (``workers.engines.base.Engine``) must do.
+
+Written once, run against every backend (as vercel/resumable-stream's exported
+``resumableStreamTests(factory)``): a test module subclasses ``EngineContract`` as
+``Test<Engine>Contract`` and provides the fixtures
+
+- ``contract_engine``: a started engine built with the model's EOS ids (it may be
+  shared between the tests: every request uses its own id);
+- ``contract_cold_engine``: the same engine built but never started;
+- ``model``: the ``ModelInfo`` (tests/conftest.py has it).
+
+``skips`` names the cases an engine cannot be put through, with the reason (a
+case is its test's name without ``test_``, plus ``[param]`` for one parameter);
+``xfails`` the cases it fails although it should (an engine bug, reported), which
+run as ``xfail(strict=True)``; ``held(engine)`` is how many requests the engine
+still holds, where it can say. Nothing here times anything: the assertions are on
+the steps; ``SAFETY_S`` only keeps a broken engine from hanging the suite.
+
+The cases:
+
+- the steps carry only the new ids and only the last step is ``finished``;
+- ``max_tokens`` is exact and ends with ``length``;
+- the EOS ends with ``stop``, is counted in the ids (and in ``max_tokens``), and is
+  the last id;
+- ``temperature=0`` is deterministic; a seeded sample is reproducible;
+- an abort mid-generation ends the stream within a few steps with ``abort``, and
+  the engine serves the next request; aborting an unknown or finished request is
+  harmless;
+- a consumer that closes the generator frees the engine for the next request;
+- two concurrent requests both complete with their own outputs (a serial engine
+  may run the second after the first);
+- a prompt the engine cannot run (out-of-vocabulary id, empty) raises
+  ``EngineError``, and so does ``generate`` before ``start``; the engine serves the
+  next request afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, ClassVar
+
+import pytest
+
+from service.stream.params import SamplingParams
+from service.tokenize import ModelInfo
+from workers.engines.base import Engine, EngineError, StepOutput
+
+SAFETY_S = 60.0  # a hang guard only, never an assertion about speed
+
+# A request with a long answer (no EOS within the few tokens asked for) and two with
+# short ones: SmolLM2-135M-Instruct answers them greedily in under 20 tokens and EOS.
+# The scripted engine echoes the question, so all of them hold for it as well.
+LONG = "Write a long story about an old lighthouse keeper, his dog and the winter sea."
+SHORT = "What is the capital of France?"
+OTHER = "What is 2+2?"
+EOS_WITHIN = 64  # the short answers end before this many tokens
+ABORT_AFTER = 3  # steps read before the abort
+ABORT_SLACK = 3  # steps allowed after the abort, the abort step included
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+def chat_ids(model: ModelInfo, question: str) -> list[int]:
+    """The prompt ids the API sends for a one-message chat."""
+    return model.encode(model.render_chat([{"role": "user", "content": question}]))
+
+
+def new_id(label: str) -> str:
+    return f"contract-{label}-{uuid.uuid4().hex[:8]}"
+
+
+async def collect(
+    engine: Engine, prompt: list[int], params: SamplingParams, label: str = "req"
+) -> list[StepOutput]:
+    async with asyncio.timeout(SAFETY_S):
+        return [step async for step in engine.generate(new_id(label), prompt, params)]
+
+
+def ids_of(steps: list[StepOutput]) -> list[int]:
+    return [t for step in steps for t in step.token_ids]
+
+
+def assert_well_formed(steps: list[StepOutput]) -> None:
+    """Ids are ints; only the last step is finished, and only it has a reason."""
+    assert steps, "generate yielded nothing"
+    for step in steps:
+        assert isinstance(step.token_ids, list)
+        assert all(isinstance(t, int) for t in step.token_ids)
+    assert [s.finished for s in steps] == [False] * (len(steps) - 1) + [True]
+    assert [s.finish_reason for s in steps[:-1]] == [None] * (len(steps) - 1)
+    assert steps[-1].finish_reason in ("stop", "length", "abort")
+
+
+class EngineContract:
+    """Subclass as ``Test<Engine>Contract``; see the module docstring for the fixtures."""
+
+    skips: ClassVar[Mapping[str, str]] = {}  # case name -> why this engine cannot run it
+    xfails: ClassVar[Mapping[str, str]] = {}  # case name -> the engine bug it shows
+
+    def held(self, engine: Any) -> int | None:
+        """How many requests ``engine`` still holds; ``None``: it cannot say."""
+        return None
+
+    @pytest.fixture(autouse=True)
+    def _contract_case(self, request: pytest.FixtureRequest) -> None:
+        """A case is named without ``test_``, with or without its parameter id."""
+        names = {request.node.originalname, request.node.name}
+        for case in (name.removeprefix("test_") for name in names):
+            if case in self.skips:
+                pytest.skip(self.skips[case])
+            if case in self.xfails:
+                request.applymarker(pytest.mark.xfail(reason=self.xfails[case], strict=True))
+
+    async def _assert_released(self, engine: Any) -> None:
+        """Wait until the engine holds no request (an engine may let go a step later)."""
+        if self.held(engine) is None:
+            return
+        async with asyncio.timeout(SAFETY_S):
+            while self.held(engine):
+                await asyncio.sleep(0.01)
+
+    # -- steps, lengths, EOS ---------------------------------------------------------
+
+    async def test_steps_carry_only_new_ids_and_the_last_is_finished(
+        self, contract_engine: Engine, model: ModelInfo
+    ) -> None:
+        prompt = chat_ids(model, LONG)
+        steps = await collect(contract_engine, prompt, GREEDY, "delta")
+        assert_well_formed(steps)
+        # deltas: the ids add up to max_tokens (cumulative outputs would add up to more)
+        assert len(ids_of(steps)) == GREEDY.max_tokens
+        assert steps[-1].finish_reason == "length"
+        # and they are the text itself: a shorter request is a prefix of it
+        half = await collect(contract_engine, prompt, SamplingParams(max_tokens=4, temperature=0))
+        assert ids_of(half) == ids_of(steps)[:4]
+
+    @pytest.mark.parametrize("max_tokens", [1, 5])
+    async def test_max_tokens_is_exact_and_ends_with_length(
+        self, contract_engine: Engine, model: ModelInfo, max_tokens: int
+    ) -> None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        steps = await collect(contract_engine, chat_ids(model, LONG), params, "length")
+        assert_well_formed(steps)
+        assert len(ids_of(steps)) == max_tokens
+        assert steps[-1].finish_reason == "length"
+
+    async def test_eos_ends_with_stop_and_is_the_last_id(
+        self, contract_engine: Engine, model: ModelInfo
+    ) -> None:
+        params = SamplingParams(max_tokens=EOS_WITHIN, temperature=0.0)
+        steps = await collect(contract_engine, chat_ids(model, SHORT), params, "eos")
+        assert_well_formed(steps)
+        ids = ids_of(steps)
+        assert steps[-1].finish_reason == "stop"
+        assert ids and ids[-1] in model.eos_token_ids  # counted: the EOS is in the output
+        assert not set(ids[:-1]) & set(model.eos_token_ids)  # and nothing follows it
+        assert len(ids) <= EOS_WITHIN
+
+    async def test_eos_on_the_last_allowed_token_is_stop(
+        self, contract_engine: Engine, model: ModelInfo
+    ) -> None:
+        """The EOS counts towards ``max_tokens``: with room for exactly the answer and its
+        EOS the request still ends ``stop``; with one less it ends ``length`` before it."""
+        prompt = chat_ids(model, SHORT)
+        full = ids_of(
+            await collect(
+                contract_engine, prompt, SamplingParams(max_tokens=EOS_WITHIN, temperature=0.0)
+            )
+        )
+        assert full and full[-1] in model.eos_token_ids
+        exact = await collect(
+            contract_engine, prompt, SamplingParams(max_tokens=len(full), temperature=0.0)
+        )
+        assert ids_of(exact) == full and exact[-1].finish_reason == "stop"
+        if len(full) > 1:
+            short = await collect(
+                contract_engine, prompt, SamplingParams(max_tokens=len(full) - 1, temperature=0.0)
+            )
+            assert ids_of(short) == full[:-1] and short[-1].finish_reason == "length"
+
+    # -- determinism -----------------------------------------------------------------
+
+    async def test_greedy_is_deterministic(self, contract_engine: Engine, model: ModelInfo) -> None:
+        prompt = chat_ids(model, SHORT)
+        params = SamplingParams(max_tokens=12, temperature=0.0)
+        first = await collect(contract_engine, prompt, params, "greedy")
+        second = await collect(contract_engine, prompt, params, "greedy")
+        assert ids_of(first) and ids_of(first) == ids_of(second)
+        assert first[-1].finish_reason == second[-1].finish_reason
+
+    async def test_seeded_sampling_is_reproducible(
+        self, contract_engine: Engine, model: ModelInfo
+    ) -> None:
+        prompt = chat_ids(model, LONG)
+        params = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.95, seed=1234)
+        first = await collect(contract_engine, prompt, params, "seed")
+        second = await collect(contract_engine, prompt, params, "seed")
+        assert ids_of(first) and ids_of(first) == ids_of(second)
+
+    # -- abort and walking away ------------------------------------------------------
+
+    async def test_abort_mid_generation_ends_promptly_then_serves_the_next(
+        self, contract_engine: Engine, model: ModelInfo
+    ) -> None:
+        rid = new_id("abort")
+        prompt = chat_ids(model, LONG)
+        steps: list[StepOutput] = []
+        after_abort = 0
+        async with asyncio.timeout(SAFETY_S):
+            # far more than it gets to: only the abort ends this one
+            async for step in contract_engine.generate(
+                rid, prompt, SamplingParams(max_tokens=400, temperature=0.0)
+            ):
+                steps.append(step)
+                if len(steps) == ABORT_AFTER:
+                    assert not step.finished
+                    await contract_engine.abort(rid)
+                elif len(steps) > ABORT_AFTER:
+                    after_abort += 1
+        assert_well_formed(steps)
+        assert steps[-1].finish_reason == "abort"
+        assert 1 <= after_abort <= ABORT_SLACK
+        await self._assert_released(contract_engine)
+
+        follow_up = await collect(contract_engine, prompt, SamplingParams(max_tokens=3), "next")
+        assert len(ids_of(follow_up)) == 3 and follow_up[-1].finish_reason == "length"
+
+    async def test_abort_of_an_unknown_or_finished_request_is_harmless(
+        self, contract_engine: Engine, model: ModelInfo
+    ) -> None:
+        await contract_engine.abort(new_id("never-seen"))
+        rid = new_id("done")
+        prompt = chat_ids(model, LONG)
+        async with asyncio.timeout(SAFETY_S):
+            done = [s async for s in contract_engine.generate(rid, prompt, GREEDY)]
+        await contract_engine.abort(rid)
+        assert done[-1].finish_reason == "length"
+        steps = await collect(contract_engine, prompt, GREEDY, "after")
+        assert ids_of(steps) == ids_of(done) and steps[-1].finish_reason == "length"
+
+    async def test_closing_the_generator_frees_the_engine(
+        self, contract_engine: Engine, model: ModelInfo
+    ) -> None:
+        prompt = chat_ids(model, LONG)
+        reference = await collect(contract_engine, prompt, GREEDY, "reference")
+        walked: AsyncIterator[StepOutput] = contract_engine.generate(
+            new_id("walk-away"), prompt, SamplingParams(max_tokens=1000, temperature=0.0)
+        )
+        async with asyncio.timeout(SAFETY_S):
+            await anext(walked)
+            await anext(walked)
+            await walked.aclose()  # type: ignore[attr-defined]
+        await self._assert_released(contract_engine)
+        # a serial engine still decoding the 1000 tokens would hold this one back
+        steps = await collect(contract_engine, prompt, GREEDY, "next")
+        assert ids_of(steps) == ids_of(reference)
+
+    # -- concurrency -----------------------------------------------------------------
+
+    async def test_concurrent_requests_complete_with_their_own_outputs(
+        self, contract_engine: Engine, model: ModelInfo
+    ) -> None:
+        prompts = [chat_ids(model, LONG), chat_ids(model, OTHER)]
+        alone = [await collect(contract_engine, p, GREEDY, "alone") for p in prompts]
+        assert ids_of(alone[0]) != ids_of(alone[1])
+        together = await asyncio.gather(
+            *(collect(contract_engine, p, GREEDY, "together") for p in prompts)
+        )
+        for mine, reference in zip(together, alone, strict=True):
+            assert_well_formed(mine)
+            assert ids_of(mine) == ids_of(reference)
+            assert mine[-1].finish_reason == reference[-1].finish_reason
+
+    # -- errors ----------------------------------------------------------------------
+
+    @pytest.mark.parametrize("bad", ["out_of_vocabulary", "empty"])
+    async def test_bad_prompt_raises_engine_error_then_serves_the_next(
+        self, contract_engine: Engine, model: ModelInfo, bad: str
+    ) -> None:
+        prompt = {"out_of_vocabulary": [10**7], "empty": []}[bad]
+        with pytest.raises(EngineError):
+            await collect(contract_engine, prompt, SamplingParams(max_tokens=2), bad)
+        await self._assert_released(contract_engine)
+        steps = await collect(contract_engine, chat_ids(model, LONG), GREEDY, "good")
+        assert len(ids_of(steps)) == GREEDY.max_tokens
+
+    async def test_generate_before_start_raises_engine_error(
+        self, contract_cold_engine: Engine, model: ModelInfo
+    ) -> None:
+        with pytest.raises(EngineError):
+            await collect(contract_cold_engine, chat_ids(model, SHORT), GREEDY, "cold")
