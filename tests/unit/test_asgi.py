@@ -19,20 +19,31 @@ async def streaming_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 async def test_frozen_client_is_cut_off() -> None:
     sent: list[bytes] = []
     frozen = asyncio.Event()
+    blocked_sends_cancelled = 0
 
     async def send(message: dict[str, Any]) -> None:
+        nonlocal blocked_sends_cancelled
         if message["type"] == "http.response.body":
             if len(sent) == 3:
-                await frozen.wait()  # the client's buffers are full: never returns
+                try:
+                    await frozen.wait()  # the client's buffers are full: never returns
+                except asyncio.CancelledError:
+                    blocked_sends_cancelled += 1
+                    raise
             sent.append(message["body"])
 
     app = SendTimeoutMiddleware(streaming_app, timeout_s=0.2)
     loop = asyncio.get_running_loop()
     started = loop.time()
     with pytest.raises(SendTimeout):
-        await app({"type": "http"}, None, send)
-    assert 0.2 <= loop.time() - started < 2
+        # the safety net only: a hang here is the bug, not a slow machine
+        await asyncio.wait_for(app({"type": "http"}, None, send), 60)
+    # the blocked send itself was cancelled, after the timeout and not before: the watchdog
+    # compares the loop clock with the send's start, so this lower bound is the code's own
+    assert blocked_sends_cancelled == 1
+    assert loop.time() - started >= 0.2
     assert len(sent) == 3
+    assert not frozen.is_set()
 
 
 async def test_reading_client_gets_everything() -> None:
