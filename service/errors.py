@@ -5,8 +5,10 @@
     ├── Unauthorized        401   -- no API key, or not a valid one
     ├── Forbidden           403   -- the key may not use this model or route
     ├── NotFound            404   -- unknown request id (or another tenant's: same answer)
-    ├── PayloadTooLarge     413   -- body over the size limit
     └── ServiceUnavailable  503   -- dependency down / over capacity; carries Retry-After
+
+A body over the size limit is Litestar's own 413, rendered in the same shape
+(``service/api/app.py``); 429 is ``service/api/admission.RateLimited``.
 
 Errors *after* the first streamed byte are not exceptions: they are ``error``
 events in the log, rendered in band (see ``service/stream/render.py``).
@@ -68,11 +70,6 @@ class Forbidden(ApiError):
 class NotFound(ApiError):
     status_code = 404
     error_type = "not_found_error"
-
-
-class PayloadTooLarge(ApiError):
-    status_code = 413
-    error_type = "invalid_request_error"
 
 
 class ServiceUnavailable(ApiError):

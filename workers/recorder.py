@@ -54,7 +54,6 @@ class Recorder:
         self.claim_idle_ms = claim_idle_ms
         self.retention_s = retention_s
         self.crash_after_insert = crash_after_insert  # fault injection for tests
-        self.recorded = 0
         self._backlog = True  # read our own pending entries first
         self._last_claim = 0.0
         self._stopping = asyncio.Event()
@@ -112,4 +111,3 @@ class Recorder:
         if self.crash_after_insert:
             os._exit(17)  # committed, not acked: the entry must be delivered again
         await self.outbox.ack(entry_id)
-        self.recorded += 1

@@ -39,10 +39,6 @@ class Drain:
         if self.future is not None and not self.future.done():
             self.future.set_result(None)
 
-    @property
-    def draining(self) -> bool:
-        return self.future is not None and self.future.done()
-
 
 @dataclasses.dataclass(slots=True)
 class Context:

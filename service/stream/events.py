@@ -1,4 +1,4 @@
-"""The event log's payloads and the terminal states.
+"""The event log's payloads, and the outbox summary written with the terminal event.
 
 Every entry of a request's Redis stream holds one of these structs, encoded with
 msgpack (``array_like``: the field names are not stored). They are the *internal*

@@ -59,7 +59,3 @@ def frame(data: bytes, event_id: str | None = None, event: str | None = None) ->
 def retry(ms: int) -> bytes:
     """Tell the client how long to wait before it reconnects."""
     return b"retry: " + str(int(ms)).encode() + b"\n\n"
-
-
-def comment(text: str = "ping") -> bytes:
-    return b": " + clean_field(text).encode() + b"\n"
