@@ -20,8 +20,6 @@ from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
 
 from service.store.keys import QUEUE_GROUP, Keys
-from service.store.queue import Job, RequestQueue, encode_job
-from service.stream.params import SamplingParams
 from service.store.log import (
     AlreadyEnded,
     Append,
@@ -30,9 +28,12 @@ from service.store.log import (
     RedisLog,
     RequestExists,
 )
+from service.store.queue import Job, RequestQueue, encode_job
+from service.store.tail import Batch, LogTailer, Subscription
 from service.stream import events as ev
 from service.stream.ids import EventId
-from service.store.tail import Batch, LogTailer, Subscription
+from service.stream.params import SamplingParams
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -100,6 +101,32 @@ async def collect(sub: Subscription, n: int, timeout: float = 5.0) -> Batch:
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(run(), timeout)
     return got
+
+
+async def blocked_reads(redis: Redis, client_name: str) -> list[dict[str, str]]:
+    """The connections of client ``client_name`` that Redis holds blocked in an XREAD."""
+    return [
+        c for c in await redis.client_list()
+        if c["name"] == client_name and c["cmd"] == "xread" and "b" in c["flags"]
+    ]
+
+
+async def until_blocked(tailer: LogTailer, redis: Redis, client_name: str) -> list[dict[str, str]]:
+    """Until every shard of ``tailer`` sits in XREAD BLOCK in a read issued after it took in
+    every wake sent so far, i.e. a read that names every log subscribed until now and has
+    nothing to deliver; returns those blocked connections (one per shard)."""
+
+    async def settled() -> list[dict[str, str]] | None:
+        for shard in tailer._shards:
+            if shard._wake_pending:
+                return None  # a wake is still to go out
+            newest = await redis.xrevrange(shard._wake_key, count=1)
+            if newest and newest[0][0] != shard._wake_last:
+                return None  # a wake is still to come back
+        blocked = await blocked_reads(redis, client_name)
+        return blocked if len(blocked) == tailer.shards else None
+
+    return await eventually(settled, "the tailer to block in XREAD", timeout=10)
 
 
 # -- RedisLog ---------------------------------------------------------------------------
@@ -178,7 +205,7 @@ async def test_fencing_takeover_and_terminal(rlog: RedisLog, redis: Redis, keys:
 
 
 async def test_terminal_append_right_sizes_the_log(
-    rlog: RedisLog, redis: Redis, keys: Keys
+    rlog: RedisLog, redis: Redis, keys: Keys, tail_client: tuple[Redis, str]
 ) -> None:
     """A stream node's listpack is preallocated to 4 KiB and the last one never shrinks:
     a 100-token answer would keep ~47 B per entry for its whole TTL. The terminal append
@@ -189,11 +216,11 @@ async def test_terminal_append_right_sizes_the_log(
         await rlog.append(request_id, epoch, [ev.Delta(text=f" w{i}", token_ids=[12345], n=i + 1)])
     before = await redis.memory_usage(keys.log(request_id), samples=0)
     entries_before = await rlog.read(request_id)
-    tailer = LogTailer(redis, keys, block_ms=2000)
+    tailer = LogTailer(tail_client[0], keys, block_ms=10_000)
     await tailer.start()
     try:
         sub = tailer.subscribe(request_id, entries_before[-1][0])
-        await asyncio.sleep(0.1)  # the tailer is blocked on the log now
+        await until_blocked(tailer, redis, tail_client[1])  # blocked on the log now
         await rlog.append(request_id, epoch, [END], terminal_state="finished", ttl_s=60)
         woken = await collect(sub, 1)
     finally:
@@ -316,14 +343,17 @@ async def tail_client(redis_url: str) -> AsyncIterator[tuple[Redis, str]]:
 @pytest.fixture
 async def tailer(tail_client: tuple[Redis, str], keys: Keys) -> AsyncIterator[LogTailer]:
     t = LogTailer(tail_client[0], keys, block_ms=10_000)
-    await t.start()
-    await asyncio.sleep(0.1)  # now blocked in XREAD BLOCK 10 s on its wake stream alone
+    await t.start()  # no shard, no read yet: each test's first subscribe starts one
     yield t
     await t.stop()
 
 
 async def test_tailer_multiplexes_many_readers(
-    rlog: RedisLog, batcher: AppendBatcher, tailer: LogTailer
+    rlog: RedisLog,
+    redis: Redis,
+    batcher: AppendBatcher,
+    tailer: LogTailer,
+    tail_client: tuple[Redis, str],
 ):
     requests = [await new_request(rlog) for _ in range(50)]
     shared, shared_epoch = await new_request(rlog)
@@ -337,7 +367,7 @@ async def test_tailer_multiplexes_many_readers(
     firsts = await asyncio.wait_for(asyncio.gather(*(collect(s, 1) for _, s, _ in subs[:51])), 3)
     assert all(b[0][1] == created() for b in firsts)
     firsts.append([])  # the reader after the 2nd event has nothing yet
-    await asyncio.sleep(0.05)
+    await until_blocked(tailer, redis, tail_client[1])  # it read all there is, and waits
     assert subs[51][1].queue.empty()
     reads_before = tailer.reads
 
@@ -350,7 +380,9 @@ async def test_tailer_multiplexes_many_readers(
         *(batcher.append(r, e, [END], terminal_state="finished", ttl_s=60) for r, e in everyone)
     )
 
-    rests = await asyncio.gather(*(collect(s, n - len(f)) for (_, s, n), f in zip(subs, firsts)))
+    rests = await asyncio.gather(
+        *(collect(s, n - len(f)) for (_, s, n), f in zip(subs, firsts, strict=True))
+    )
     delivered = sum(len(r) for r in rests)
     for (request_id, sub, n), first, rest in zip(subs, firsts, rests, strict=True):
         got = first + rest
@@ -361,7 +393,7 @@ async def test_tailer_multiplexes_many_readers(
     assert tailer.reads - reads_before < delivered / 2, (tailer.reads, delivered)
 
     # a new log, subscribed while the tailer sits in XREAD BLOCK 10 s: served promptly
-    await asyncio.sleep(0.1)
+    await until_blocked(tailer, redis, tail_client[1])
     late, _ = await new_request(rlog)
     got = await asyncio.wait_for(collect(tailer.subscribe(late), 1), 3)
     assert got[0][1] == created()
@@ -402,7 +434,7 @@ def resp(*parts: bytes) -> bytes:
 
 
 async def test_tailer_late_subscriber_from_start_gets_no_gap(
-    rlog: RedisLog, tailer: LogTailer, keys: Keys
+    rlog: RedisLog, redis: Redis, tailer: LogTailer, keys: Keys, tail_client: tuple[Redis, str]
 ):
     """A reader joining a followed log further back while the tailer's XREAD is in flight.
 
@@ -414,7 +446,8 @@ async def test_tailer_late_subscriber_from_start_gets_no_gap(
     await rlog.append(request_id, epoch, [delta(1)])
     first = tailer.subscribe(request_id)
     assert len(await collect(first, 2)) == 2
-    await asyncio.sleep(0.1)  # the tailer is blocked again, reading this log after delta(1)
+    # the tailer is blocked again, reading this log after delta(1)
+    await until_blocked(tailer, redis, tail_client[1])
 
     kw = rlog.redis.connection_pool.connection_kwargs
     reader, writer = await asyncio.open_connection(kw["host"], kw["port"])
@@ -440,27 +473,25 @@ async def test_tailer_survives_dropped_connection(
 ):
     requests = [await new_request(rlog) for _ in range(3)]
     subs = [tailer.subscribe(r) for r, _ in requests]
-    for (r, e), sub in zip(requests, subs):
+    for (r, e), sub in zip(requests, subs, strict=True):
         await rlog.append(r, e, [delta(1)])
         assert len(await collect(sub, 2)) == 2
-    await asyncio.sleep(0.1)
 
     name = tail_client[1]
-    blocked = [c for c in await redis.client_list() if c["name"] == name and c["cmd"] == "xread"]
+    blocked = await until_blocked(tailer, redis, name)
     assert len(blocked) == 1, blocked
     assert await redis.client_kill_filter(_id=blocked[0]["id"]) == 1
 
     for r, e in requests:  # appended while the tailer reconnects: nothing may be lost
         await rlog.append(r, e, [delta(2), delta(3)])
-    for (r, _), sub in zip(requests, subs):
+    for (r, _), sub in zip(requests, subs, strict=True):
         got = await collect(sub, 2)
         assert [e for _, e in got] == [delta(2), delta(3)]
         assert got == (await rlog.read(r))[2:]
 
-    await asyncio.sleep(0.1)
-    again = [c for c in await redis.client_list() if c["name"] == name and c["cmd"] == "xread"]
+    again = await until_blocked(tailer, redis, name)  # on a new connection
     assert len(again) == 1 and again[0]["id"] != blocked[0]["id"]
-    for (r, e), sub in zip(requests, subs):
+    for (r, e), sub in zip(requests, subs, strict=True):
         await rlog.append(r, e, [END], terminal_state="finished", ttl_s=60)
         assert [e for _, e in await collect(sub, 1)] == [END]
 
@@ -494,7 +525,9 @@ async def test_queue_two_consumers_no_duplicates_and_ack(redis: Redis, keys: Key
     assert await queue.depth() == 0
 
 
-async def test_pool_waits_for_a_connection_instead_of_failing(redis_url: str, key_prefix: str) -> None:
+async def test_pool_waits_for_a_connection_instead_of_failing(
+    redis_url: str, key_prefix: str
+) -> None:
     """A burst larger than the pool (the worker claiming 64 jobs on 64 connections while
     appends and heartbeats need some too) queues on the pool; none of it fails."""
     from service.store.pool import connect

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from service.store.tail import Mailbox
+from tests.waiting import eventually
 
 
 @given(st.lists(st.lists(st.integers(), max_size=3), max_size=20))
@@ -26,7 +27,7 @@ def test_fifo_like_a_queue(items: list[list[int]]) -> None:
 async def test_get_waits_until_a_put_and_unget_goes_first() -> None:
     box = Mailbox()
     getting = asyncio.ensure_future(box.get())
-    await asyncio.sleep(0.01)
+    await eventually(lambda: box._waiter is not None, "the get to wait")
     assert not getting.done()
     box.put_nowait([])
     assert await asyncio.wait_for(getting, 1) == []
@@ -42,7 +43,7 @@ async def test_get_waits_until_a_put_and_unget_goes_first() -> None:
 async def test_a_cancelled_get_loses_nothing() -> None:
     box = Mailbox()
     getting = asyncio.ensure_future(box.get())
-    await asyncio.sleep(0.01)
+    await eventually(lambda: box._waiter is not None, "the get to wait")
     getting.cancel()
     await asyncio.gather(getting, return_exceptions=True)
     box.put_nowait([7])  # type: ignore[list-item]
