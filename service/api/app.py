@@ -15,6 +15,7 @@ from litestar import Litestar, Request, Response
 from litestar.di import Provide
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
+from redis.asyncio import Redis
 
 from service.api.admission import Admission
 from service.api.auth import Authenticator, Principal
@@ -80,6 +81,85 @@ def _internal_error(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     return Response(body, status_code=500)
 
 
+@contextlib.asynccontextmanager
+async def serving(settings: Settings, model: ModelInfo, drain: Drain) -> AsyncIterator[Context]:
+    """The process's clients, stores and background tasks, for as long as it serves."""
+    if not settings.redis_url:
+        raise RuntimeError("LASTEVENT_REDIS_URL is not set (use `lastevent up` for embedded)")
+    redis = connect(settings.redis_url, max_connections=256)
+    # the tailer's XREAD BLOCK outlives redis-py's default 5 s socket timeout
+    tail_redis = connect(
+        settings.redis_url, max_connections=64, socket_timeout=settings.tail_block_ms / 1000 + 5
+    )
+    ledger = Ledger(make_engine(settings.database_url)) if settings.database_url else None
+    ctx = _context(settings, model, drain, redis, tail_redis, ledger)
+    drain.bind(asyncio.get_running_loop())
+    assert drain.future is not None
+    drain.future.add_done_callback(lambda _f: ctx.tailer.interrupt())
+    await ctx.tailer.start()
+    await ctx.presence.start()
+    sweeper = Sweeper(
+        ctx.log,
+        RequestQueue(redis, ctx.log.keys),
+        ctx.admission.heartbeats,
+        sweeper_id=f"sweeper-{uuid.uuid4().hex[:8]}",
+        stale_s=settings.worker_stale_s,
+        hot_log_ttl_s=settings.hot_log_ttl_s,
+    )
+    sweeping = asyncio.create_task(sweeper.run(), name="sweeper")
+    try:
+        yield ctx
+    finally:
+        sweeping.cancel()
+        await asyncio.gather(sweeping, return_exceptions=True)
+        await ctx.presence.stop()
+        await ctx.tailer.stop()
+        if ledger is not None:
+            await ledger.close()
+        await redis.aclose()
+        await tail_redis.aclose()
+
+
+def _context(
+    settings: Settings,
+    model: ModelInfo,
+    drain: Drain,
+    redis: Redis,
+    tail_redis: Redis,
+    ledger: Ledger | None,
+) -> Context:
+    keys = Keys(settings.key_prefix)
+    tailer = LogTailer(
+        tail_redis,
+        keys,
+        block_ms=settings.tail_block_ms,
+        count=settings.tail_count,
+        shard_size=settings.tail_shard_size,
+        keepalive_s=settings.keepalive_s,
+        writer=redis,
+    )
+    control = Control(redis, keys)
+    return Context(
+        settings=settings,
+        redis=redis,
+        log=RedisLog(redis, keys),
+        tailer=tailer,
+        model=model,
+        ledger=ledger,
+        control=control,
+        presence=Presence(
+            control, lease_ttl_s=settings.lease_ttl_s, refresh_s=settings.lease_refresh_s
+        ),
+        auth=Authenticator(
+            ApiKeys(ledger.engine) if ledger else None,
+            auth=settings.auth,
+            cache_s=settings.auth_cache_s,
+        ),
+        admission=Admission(Limits(redis, keys), Heartbeats(redis, keys), settings),
+        drain=drain,
+    )
+
+
 def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
     model = ModelInfo.load(settings.resolved_model_dir, settings.model_name)
     drain = drain or Drain()
@@ -90,72 +170,9 @@ def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        if not settings.redis_url:
-            raise RuntimeError("LASTEVENT_REDIS_URL is not set (use `lastevent up` for embedded)")
-        redis = connect(settings.redis_url, max_connections=256)
-        # the tailer's XREAD BLOCK outlives redis-py's default 5 s socket timeout
-        tail_redis = connect(
-            settings.redis_url, max_connections=64, socket_timeout=settings.tail_block_ms / 1000 + 5
-        )
-        keys = Keys(settings.key_prefix)
-        tailer = LogTailer(
-            tail_redis,
-            keys,
-            block_ms=settings.tail_block_ms,
-            count=settings.tail_count,
-            shard_size=settings.tail_shard_size,
-            keepalive_s=settings.keepalive_s,
-            writer=redis,
-        )
-        engine = make_engine(settings.database_url) if settings.database_url else None
-        control = Control(redis, keys)
-        presence = Presence(
-            control, lease_ttl_s=settings.lease_ttl_s, refresh_s=settings.lease_refresh_s
-        )
-        log_ = RedisLog(redis, keys)
-        heartbeats = Heartbeats(redis, keys)
-        app.state.ctx = Context(
-            settings=settings,
-            redis=redis,
-            log=log_,
-            tailer=tailer,
-            model=model,
-            ledger=Ledger(engine) if engine else None,
-            control=control,
-            presence=presence,
-            auth=Authenticator(
-                ApiKeys(engine) if engine else None,
-                auth=settings.auth,
-                cache_s=settings.auth_cache_s,
-            ),
-            admission=Admission(Limits(redis, keys), heartbeats, settings),
-            drain=drain,
-        )
-        drain.bind(asyncio.get_running_loop())
-        assert drain.future is not None
-        drain.future.add_done_callback(lambda _f: tailer.interrupt())
-        await tailer.start()
-        await presence.start()
-        sweeper = Sweeper(
-            log_,
-            RequestQueue(redis, keys),
-            heartbeats,
-            sweeper_id=f"sweeper-{uuid.uuid4().hex[:8]}",
-            stale_s=settings.worker_stale_s,
-            hot_log_ttl_s=settings.hot_log_ttl_s,
-        )
-        sweeping = asyncio.create_task(sweeper.run(), name="sweeper")
-        try:
+        async with serving(settings, model, drain) as ctx:
+            app.state.ctx = ctx
             yield
-        finally:
-            sweeping.cancel()
-            await asyncio.gather(sweeping, return_exceptions=True)
-            await presence.stop()
-            await tailer.stop()
-            if engine is not None:
-                await engine.dispose()
-            await redis.aclose()
-            await tail_redis.aclose()
 
     def provide_ctx(request: Request[Any, Any, Any]) -> Context:
         ctx: Context = request.app.state.ctx

@@ -13,7 +13,7 @@ from service.api.admission import who
 from service.api.context import Context
 from service.api.metrics import READERS
 from service.store.presence import Lease
-from service.store.tail import IDLE, Interrupted
+from service.store.tail import IDLE, Batch, Interrupted, Subscription
 from service.stream import sse
 from service.stream.events import Created, Delta, End, Event
 from service.stream.ids import Cursor, EventId
@@ -72,30 +72,12 @@ async def sse_frames(
             if isinstance(batch, BaseException):
                 raise batch
             if sub.queue.qsize() >= ctx.settings.coalesce_backlog:
-                # this reader fell behind (its client reads slowly): take everything
-                # waiting and send runs of deltas as one event each
-                while not sub.queue.empty():
-                    more = sub.queue.get_nowait()
-                    if more is IDLE:
-                        continue
-                    if isinstance(more, BaseException):  # send what we have first
-                        sub.queue.unget(more)
-                        break
-                    batch = batch + more
-                batch = coalesce(batch)
-            out: list[bytes] = []
-            ended = False
-            delivered = lease.delivered
-            for eid, event in batch:
-                if isinstance(event, Delta):
-                    delivered = max(delivered, event.n)
-                out.extend(sse_event_frames(renderer, eid, event, cursor))
-                if isinstance(event, End):
-                    ended = True
-                    await ctx.admission.release(who(created.tenant, created.api_key_id), rid)
-                    break
+                batch = _catch_up(sub, batch)
+            out, delivered, ended = _frames(renderer, batch, cursor, lease.delivered)
+            if ended:
+                await ctx.admission.release(who(created.tenant, created.api_key_id), rid)
             if out:
-                yield b"".join(out)
+                yield out
             lease.delivered = delivered  # the send completed: it reached the connection
             if ended:
                 return
@@ -103,6 +85,35 @@ async def sse_frames(
         sub.close()
         READERS.dec()
         await lease.release()
+
+
+def _catch_up(sub: Subscription, batch: Batch) -> Batch:
+    """A reader that fell behind (its client reads slowly): everything waiting, with runs
+    of deltas merged into one event each."""
+    while not sub.queue.empty():
+        more = sub.queue.get_nowait()
+        if more is IDLE:
+            continue
+        if isinstance(more, BaseException):  # send what we have first
+            sub.queue.unget(more)
+            break
+        batch = batch + more
+    return coalesce(batch)
+
+
+def _frames(
+    renderer: ChunkRenderer, batch: Batch, cursor: Cursor | None, delivered: int
+) -> tuple[bytes, int, bool]:
+    """The batch's SSE bytes, the completion tokens they bring the reader to, and whether
+    the terminal event is among them (nothing after it is sent)."""
+    out: list[bytes] = []
+    for eid, event in batch:
+        if isinstance(event, Delta):
+            delivered = max(delivered, event.n)
+        out.extend(sse_event_frames(renderer, eid, event, cursor))
+        if isinstance(event, End):
+            return b"".join(out), delivered, True
+    return b"".join(out), delivered, False
 
 
 async def collect(ctx: Context, rid: str, created: Created, lease: Lease) -> ResponseAggregate:

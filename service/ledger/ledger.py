@@ -90,6 +90,9 @@ class Ledger:
                 await session.execute(select(RequestRow).where(RequestRow.id == request_id))
             ).scalar_one_or_none()
 
+    async def close(self) -> None:
+        await self.engine.dispose()
+
     async def check(self) -> str:
         """``"ok"`` if Postgres answers, else what went wrong (``/readyz``)."""
         try:
