@@ -28,6 +28,7 @@ def stack(
 def test_sigterm_tells_streams_to_reconnect_and_they_resume_elsewhere(stack: Stack) -> None:
     doomed, survivor = stack.api_urls
     api_proc = stack.procs[1]  # procs: worker, first API, second API
+    doomed_log = f"api-{doomed.rsplit(':', 1)[1]}"
     body = chat_body(stack.model, LONG, stream=True)
     seen = []
     retry = None
@@ -46,11 +47,15 @@ def test_sigterm_tells_streams_to_reconnect_and_they_resume_elsewhere(stack: Sta
         ended_at = time.monotonic()
     assert retry == 250  # the reconnect hint arrived, then the stream closed
     assert seen[-1].data != "[DONE]"  # truncated, not finished: the client resumes it
-    api_proc.wait(timeout=15)
+    api_proc.wait(timeout=120)  # a safety net: it exits by itself
     exited_at = time.monotonic()
     print(f"\ndrain: stream closed {1000 * (ended_at - sent_at):.0f} ms after SIGTERM, "
           f"process gone after {1000 * (exited_at - sent_at):.0f} ms (drain limit 5000 ms)")
-    assert exited_at - sent_at < 5.0 + 3.0
+    # within its drain time: the open stream closed itself, uvicorn had nothing to cancel
+    # when the drain time ran out, and the process shut down to the end
+    log = stack.tail(doomed_log, 1_000_000)
+    assert "timeout graceful shutdown exceeded" not in log, log[-3000:]
+    assert "Finished server process" in log, log[-3000:]
     with pytest.raises(httpx.ConnectError):
         httpx.get(doomed + "/healthz", timeout=2)
     with httpx.Client(base_url=survivor, timeout=30) as client:
