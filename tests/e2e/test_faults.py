@@ -12,8 +12,10 @@ import httpx
 import pytest
 from httpx_sse import EventSource
 
+from service.stream.ids import Cursor
 from tests.e2e.conftest import Stack, running
 from tests.e2e.helpers import LONG, chat_body, content_of, finish_reason, ledger_row, read_all
+from tests.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -92,13 +94,14 @@ def test_a_bug_in_the_worker_ends_the_request_errored(crashing: Stack) -> None:
 
 
 def test_stalled_engine_hits_the_deadline(stalled: Stack) -> None:
-    with httpx.Client(base_url=stalled.url, timeout=30) as client:
-        started = time.monotonic()
+    with httpx.Client(base_url=stalled.url, timeout=60) as client:
+        submitted_at = time.time()
         headers, events = read_all(client, "POST", "/v1/chat/completions",
                                    json=chat_body(stalled.model, LONG, stream=True))
-        elapsed = time.monotonic() - started
     assert _error_event(events)["code"] == "deadline_exceeded"
-    assert elapsed < 15
+    # the engine stalled for good: the deadline ended it, and not before it ran out
+    [error_id] = [e.id for e in events if e.data and '"error"' in e.data[:10]]
+    assert Cursor.parse(error_id).event.ms / 1000 >= submitted_at + 2.0 - 0.01
     row = ledger_row(stalled.settings.database_url or "", headers["x-request-id"])
     assert row is not None and row["state"] == "errored" and row["error_code"] == "deadline"
 
@@ -113,16 +116,13 @@ def _readers(url: str) -> float:
 def test_a_reader_that_vanishes_is_unsubscribed(stalled: Stack) -> None:
     """Disconnect mid-stream: the API process stops following the log for that client."""
     assert _readers(stalled.url) == 0
-    with httpx.Client(base_url=stalled.url, timeout=30) as client:
-        with client.stream("POST", "/v1/chat/completions",
-                           json=chat_body(stalled.model, LONG, stream=True)) as r:
-            for _event in EventSource(r).iter_sse():
-                assert _readers(stalled.url) == 1
-                break
-    deadline = time.monotonic() + 5
-    while _readers(stalled.url) != 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _readers(stalled.url) == 0
+    with httpx.Client(base_url=stalled.url, timeout=30) as client, client.stream(
+        "POST", "/v1/chat/completions", json=chat_body(stalled.model, LONG, stream=True)
+    ) as r:
+        for _event in EventSource(r).iter_sse():
+            assert _readers(stalled.url) == 1
+            break
+    wait_until(lambda: _readers(stalled.url) == 0, "the reader to be unsubscribed")
 
 
 def test_a_worker_killed_mid_answer_ends_the_stream_with_an_error(
@@ -149,11 +149,12 @@ def test_a_worker_killed_mid_answer_ends_the_stream_with_an_error(
                 if len(events) == 5:
                     killed_at = time.monotonic()
                     worker.send_signal(signal.SIGKILL)
+        # the stream ended (the with block is left) with the sweeper's in-band error
         took = time.monotonic() - killed_at
         print(f"\nworker killed: stream ended with worker_lost after {took * 1000:.0f} ms "
               f"(heartbeat stale after 2000 ms, sweep every 2000 ms)")
         assert _error_event(events)["code"] == "worker_lost"
-        assert took < 15
+        assert events[-1].data != "[DONE]" and LONG.startswith(content_of(events))
         status = httpx.get(f"{st.url}/v1/requests/{rid}").json()
         assert status["state"] == "errored"
         # the only recorder died with the worker; a new one bills what the outbox holds
