@@ -83,7 +83,7 @@ def _only_unit_tests(session: pytest.Session) -> bool:
 
 
 def heavy_imports() -> list[str]:
-    return [name for name in HEAVY_MODULES if name in sys.modules]
+    return [name for name in HEAVY_MODULES if sys.modules.get(name) is not None]
 
 
 @pytest.fixture(scope="session", autouse=True)
