@@ -40,7 +40,6 @@ async def test_unaborted_request_yields_its_script_then_eos(model: ModelInfo) ->
     assert outs[-1].finished and outs[-1].finish_reason == "stop"
 
 
-
 async def test_fault_injection_fails_or_crashes_after_that_many_tokens(model: ModelInfo) -> None:
     """``fail_after`` is an engine error (the request ends errored); ``crash_after`` is
     not one (a bug, which the worker must survive too)."""
@@ -59,15 +58,11 @@ async def test_fault_injection_fails_or_crashes_after_that_many_tokens(model: Mo
     assert not isinstance(crashed.value, EngineError)
     assert not failing.running and not crashing.running
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: workers/engines/scripted.py ScriptedEngine._steps ends the request "
-    "by position (`is_eos = produced == len(script) + len(eos)`), not on the EOS id, so an "
-    "EOS inside the echoed text (or in `text=`) is sent as a token and the request runs on",
-)
+
 async def test_an_eos_inside_the_echoed_text_ends_the_request(model: ModelInfo) -> None:
     """The contract: an engine stops on its EOS ids, and the EOS is its last id. A text
-    prompt may carry one (the tokenizer parses ``<|im_end|>`` in a completions prompt)."""
+    prompt may carry one (the tokenizer parses ``<|im_end|>`` in a completions prompt);
+    the engine once ended a request by the script's length instead, and ran on past it."""
     engine = ScriptedEngine(model, tokens_per_s=1000)
     prompt = model.encode("one<|im_end|>two")
     assert model.eos_token_ids[0] in prompt
