@@ -91,6 +91,7 @@ class ScriptedEngine:
         self, request_id: str, script: list[int], eos: list[int], max_tokens: int
     ) -> AsyncGenerator[StepOutput, None]:
         produced = 0
+        stop_ids = frozenset(self._model.eos_token_ids)
         next_at = time.monotonic()
         for token_id in [*script, *eos]:
             if request_id in self._aborted:
@@ -99,9 +100,8 @@ class ScriptedEngine:
             if self._fail_after is not None and produced >= self._fail_after:
                 raise EngineError(f"scripted failure after {produced} tokens", "engine_failure")
             if self._crash_after is not None and produced >= self._crash_after:
-                raise RuntimeError(
-                    f"scripted crash after {produced} tokens"
-                )  # a bug, not an engine error
+                # a bug, not an engine error
+                raise RuntimeError(f"scripted crash after {produced} tokens")
             if self._stall_after is not None and produced >= self._stall_after:
                 await self._abort_events[request_id].wait()  # stalled until aborted
                 continue
@@ -113,8 +113,7 @@ class ScriptedEngine:
                     yield StepOutput([], finished=True, finish_reason="abort")
                     return
             produced += 1
-            is_eos = produced == len(script) + len(eos)
-            if is_eos:
+            if token_id in stop_ids:  # the script's own EOS, or one inside the echoed text
                 yield StepOutput([token_id], finished=True, finish_reason="stop")
                 return
             if produced >= max_tokens:
