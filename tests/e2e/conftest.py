@@ -46,7 +46,10 @@ class Stack:
         env.update({f"LASTEVENT_{k.upper()}": str(v) for k, v in overrides.items()})
         out = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", role], env=env, stdout=out, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "service.cli", role],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
         self.procs.append(proc)
         return proc
@@ -121,7 +124,12 @@ def make_stack(
 
 @contextlib.contextmanager
 def running(
-    tmp: Path, redis_url: str, database_url: str, model_dir: Path, *, apis: int = 1,
+    tmp: Path,
+    redis_url: str,
+    database_url: str,
+    model_dir: Path,
+    *,
+    apis: int = 1,
     **settings: object,
 ) -> Iterator[Stack]:
     """A stack with one worker and ``apis`` API processes, stopped on exit."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 import time
@@ -16,9 +17,8 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from service.stream.ids import Cursor
 
 # ~300 tokens with multi-byte characters, split characters and emoji
-LONG = (
-    "Café crème costs 5€ in Zürich; 日本語のテキストも少し。 Emoji: 🤖🚀👩‍👩‍👧. "
-    + " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(10))
+LONG = "Café crème costs 5€ in Zürich; 日本語のテキストも少し。 Emoji: 🤖🚀👩‍👩‍👧. " + " ".join(
+    f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(10)
 )
 
 
@@ -49,10 +49,12 @@ def finish_reason(events: list[ServerSentEvent]) -> str | None:
 
 def assert_ids_increase(events: list[ServerSentEvent]) -> None:
     cursors = [Cursor.parse(e.id) for e in events if e.id]
-    assert all(a < b for a, b in zip(cursors, cursors[1:], strict=False)), [str(c) for c in cursors]
+    assert all(a < b for a, b in itertools.pairwise(cursors)), [str(c) for c in cursors]
 
 
-def read_all(client: httpx.Client, method: str, url: str, **kw: Any) -> tuple[httpx.Headers, list[ServerSentEvent]]:
+def read_all(
+    client: httpx.Client, method: str, url: str, **kw: Any
+) -> tuple[httpx.Headers, list[ServerSentEvent]]:
     with client.stream(method, url, **kw) as r:
         assert r.status_code == 200, r.read()
         return r.headers, list(EventSource(r).iter_sse())
@@ -66,7 +68,9 @@ def raw_events(client: httpx.Client, method: str, url: str, **kw: Any) -> tuple[
     return rid, re.sub(rb"^:[^\n]*\n", b"", body, flags=re.M)
 
 
-def ledger_row(database_url: str, request_id: str, timeout_s: float = 15.0) -> dict[str, Any] | None:
+def ledger_row(
+    database_url: str, request_id: str, timeout_s: float = 15.0
+) -> dict[str, Any] | None:
     async def fetch() -> dict[str, Any] | None:
         engine = create_async_engine(database_url)
         try:
@@ -74,8 +78,14 @@ def ledger_row(database_url: str, request_id: str, timeout_s: float = 15.0) -> d
             while time.monotonic() < deadline:
                 async with engine.connect() as conn:
                     row = (
-                        await conn.execute(text("SELECT * FROM requests WHERE id = :id"), {"id": request_id})
-                    ).mappings().first()
+                        (
+                            await conn.execute(
+                                text("SELECT * FROM requests WHERE id = :id"), {"id": request_id}
+                            )
+                        )
+                        .mappings()
+                        .first()
+                    )
                 if row is not None:
                     return dict(row)
                 await asyncio.sleep(0.1)

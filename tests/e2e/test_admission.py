@@ -25,11 +25,15 @@ def check_error(resp: httpx.Response, status: int, code: str) -> int:
     return retry_after
 
 
-def test_no_worker_is_503(tmp_path: Path, redis_url: str, database_url: str, model_dir: Path) -> None:
+def test_no_worker_is_503(
+    tmp_path: Path, redis_url: str, database_url: str, model_dir: Path
+) -> None:
     st = make_stack(tmp_path, redis_url, database_url, model_dir)
     try:
         st.start_api()  # and no worker at all
-        resp = httpx.post(st.url + "/v1/chat/completions", json=chat_body(st.model, "hi"), timeout=30)
+        resp = httpx.post(
+            st.url + "/v1/chat/completions", json=chat_body(st.model, "hi"), timeout=30
+        )
         check_error(resp, 503, "no_worker")
     finally:
         st.stop()
@@ -39,17 +43,26 @@ def test_no_worker_is_503(tmp_path: Path, redis_url: str, database_url: str, mod
 def limited(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
 ) -> Iterator[Stack]:
-    with running(tmp_path_factory.mktemp("limited"), redis_url, database_url, model_dir,
-                 max_concurrent_per_key=2, rate_limit_rpm=6, scripted_text=SCRIPT,
-                 scripted_tokens_per_s=40.0) as st:
+    with running(
+        tmp_path_factory.mktemp("limited"),
+        redis_url,
+        database_url,
+        model_dir,
+        max_concurrent_per_key=2,
+        rate_limit_rpm=6,
+        scripted_text=SCRIPT,
+        scripted_tokens_per_s=40.0,
+    ) as st:
         yield st
 
 
 def test_concurrent_requests_per_key_is_429(limited: Stack) -> None:
     body = chat_body(limited.model, "x", stream=True)
     with httpx.Client(base_url=limited.url, timeout=30) as c:
-        with c.stream("POST", "/v1/chat/completions", json=body) as first, \
-                c.stream("POST", "/v1/chat/completions", json=body) as second:
+        with (
+            c.stream("POST", "/v1/chat/completions", json=body) as first,
+            c.stream("POST", "/v1/chat/completions", json=body) as second,
+        ):
             assert first.status_code == second.status_code == 200
             third = c.post("/v1/chat/completions", json=body)
             check_error(third, 429, "too_many_concurrent_requests")
@@ -76,22 +89,32 @@ def test_requests_per_minute_is_429(limited: Stack) -> None:
 def test_queue_that_would_wait_too_long_is_503(
     tmp_path: Path, redis_url: str, database_url: str, model_dir: Path
 ) -> None:
-    with running(tmp_path, redis_url, database_url, model_dir, worker_concurrency=1,
-                 scripted_text=SCRIPT, scripted_tokens_per_s=40.0, max_queue_wait_s=1.0) as st:
-        with httpx.Client(base_url=st.url, timeout=30) as c:
-            # one request end to end: the worker now knows a request takes ~1 s
-            assert c.post("/v1/chat/completions", json=chat_body(st.model, "x")).status_code == 200
-            detached = chat_body(st.model, "x", stream=True, stream_options={"detached": True})
-            for _ in range(4):  # one runs, three wait: ~3 s of queue for one slot
-                with c.stream("POST", "/v1/chat/completions", json=detached) as r:
-                    assert r.status_code == 200
-            deadline = time.monotonic() + 5  # heartbeats are once a second
-            while True:  # only the status line matters: hang up right after it
-                with c.stream("POST", "/v1/chat/completions", json=detached) as resp:
-                    resp.read() if resp.status_code != 200 else None
-                if resp.status_code == 503 or time.monotonic() > deadline:
-                    break
-                time.sleep(0.2)
-            retry_after = check_error(resp, 503, "overloaded")
-            assert "waiting for 1 worker slots" in resp.json()["error"]["message"]
-            assert retry_after >= 1
+    with (
+        running(
+            tmp_path,
+            redis_url,
+            database_url,
+            model_dir,
+            worker_concurrency=1,
+            scripted_text=SCRIPT,
+            scripted_tokens_per_s=40.0,
+            max_queue_wait_s=1.0,
+        ) as st,
+        httpx.Client(base_url=st.url, timeout=30) as c,
+    ):
+        # one request end to end: the worker now knows a request takes ~1 s
+        assert c.post("/v1/chat/completions", json=chat_body(st.model, "x")).status_code == 200
+        detached = chat_body(st.model, "x", stream=True, stream_options={"detached": True})
+        for _ in range(4):  # one runs, three wait: ~3 s of queue for one slot
+            with c.stream("POST", "/v1/chat/completions", json=detached) as r:
+                assert r.status_code == 200
+        deadline = time.monotonic() + 5  # heartbeats are once a second
+        while True:  # only the status line matters: hang up right after it
+            with c.stream("POST", "/v1/chat/completions", json=detached) as resp:
+                resp.read() if resp.status_code != 200 else None
+            if resp.status_code == 503 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        retry_after = check_error(resp, 503, "overloaded")
+        assert "waiting for 1 worker slots" in resp.json()["error"]["message"]
+        assert retry_after >= 1

@@ -33,8 +33,9 @@ def make_key(database_url: str, tenant: str, **kw: object) -> str:
 def stack(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
 ) -> Iterator[Stack]:
-    with running(tmp_path_factory.mktemp("auth"), redis_url, database_url, model_dir,
-                 auth="required") as st:
+    with running(
+        tmp_path_factory.mktemp("auth"), redis_url, database_url, model_dir, auth="required"
+    ) as st:
         yield st
 
 
@@ -64,19 +65,26 @@ def test_missing_and_invalid_keys_are_401(stack: Stack, keys: dict[str, str]) ->
             assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
         assert c.get("/healthz").status_code == 200  # health, readiness and metrics stay open
     with pytest.raises(openai.AuthenticationError):
-        OpenAI(base_url=stack.url + "/v1", api_key="sk-le-bad-000000000000", max_retries=0) \
-            .chat.completions.create(model=stack.model, messages=[{"role": "user", "content": "x"}])
+        OpenAI(
+            base_url=stack.url + "/v1", api_key="sk-le-bad-000000000000", max_retries=0
+        ).chat.completions.create(model=stack.model, messages=[{"role": "user", "content": "x"}])
 
 
 def test_model_and_route_permissions_are_403(stack: Stack, keys: dict[str, str]) -> None:
     with httpx.Client(base_url=stack.url, timeout=30) as c:
-        resp = c.post("/v1/chat/completions", json=chat_body(stack.model, "hi"),
-                      headers=auth(keys["other-model"]))
+        resp = c.post(
+            "/v1/chat/completions",
+            json=chat_body(stack.model, "hi"),
+            headers=auth(keys["other-model"]),
+        )
         assert resp.status_code == 403
         assert resp.json()["error"]["code"] == "model_not_allowed"
-        rid = c.post("/v1/chat/completions", json=chat_body(stack.model, "mine"),
-                     headers=auth(keys["acme"])).json()["id"]
-        assert c.get(f"/v1/admin/requests/{rid}/replay", headers=auth(keys["acme"])).status_code == 403
+        rid = c.post(
+            "/v1/chat/completions", json=chat_body(stack.model, "mine"), headers=auth(keys["acme"])
+        ).json()["id"]
+        assert (
+            c.get(f"/v1/admin/requests/{rid}/replay", headers=auth(keys["acme"])).status_code == 403
+        )
         replay = c.get(f"/v1/admin/requests/{rid}/replay", headers=auth(keys["operator"]))
         assert replay.status_code == 200 and b"mine" in replay.content
 
@@ -84,15 +92,22 @@ def test_model_and_route_permissions_are_403(stack: Stack, keys: dict[str, str])
 def test_other_tenants_requests_are_404_everywhere(stack: Stack, keys: dict[str, str]) -> None:
     secret = "acme's confidential answer"
     with httpx.Client(base_url=stack.url, timeout=30) as c:
-        _, events = read_all(c, "POST", "/v1/chat/completions", headers=auth(keys["acme"]),
-                             json=chat_body(stack.model, secret, stream=True))
+        _, events = read_all(
+            c,
+            "POST",
+            "/v1/chat/completions",
+            headers=auth(keys["acme"]),
+            json=chat_body(stack.model, secret, stream=True),
+        )
         rid = events[0].data.split('"id":"')[1].split('"')[0]
         assert content_of(events) == secret
         never = "chatcmpl-" + "0" * 32
         for target in (rid, never):
-            for method, path in (("GET", f"/v1/requests/{target}"),
-                                 ("GET", f"/v1/requests/{target}/events"),
-                                 ("POST", f"/v1/requests/{target}/cancel")):
+            for method, path in (
+                ("GET", f"/v1/requests/{target}"),
+                ("GET", f"/v1/requests/{target}/events"),
+                ("POST", f"/v1/requests/{target}/cancel"),
+            ):
                 resp = c.request(method, path, headers=auth(keys["globex"]))
                 assert resp.status_code == 404, (method, path, resp.text)
                 assert resp.json()["error"]["code"] == "not_found"
@@ -106,11 +121,15 @@ def test_other_tenants_requests_are_404_everywhere(stack: Stack, keys: dict[str,
         assert mine.status_code == 200 and mine.json()["state"] == "finished"
 
 
-def test_tenant_and_key_reach_the_ledger(stack: Stack, keys: dict[str, str], database_url: str) -> None:
+def test_tenant_and_key_reach_the_ledger(
+    stack: Stack, keys: dict[str, str], database_url: str
+) -> None:
     from tests.e2e.helpers import ledger_row
 
     sdk = OpenAI(base_url=stack.url + "/v1", api_key=keys["globex"], max_retries=0)
-    resp = sdk.chat.completions.create(model=stack.model, messages=[{"role": "user", "content": "bill me"}])
+    resp = sdk.chat.completions.create(
+        model=stack.model, messages=[{"role": "user", "content": "bill me"}]
+    )
     row = ledger_row(database_url, resp.id)
     assert row is not None
     assert row["tenant"] == "globex"

@@ -103,15 +103,28 @@ def proxy(billing_db: str) -> Iterator[FlakyProxy]:
 
 @pytest.fixture(scope="module")
 def stack(
-    tmp_path_factory: pytest.TempPathFactory, redis_url: str, billing_db: str, model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    redis_url: str,
+    billing_db: str,
+    model_dir: Path,
     proxy: FlakyProxy,
 ) -> Iterator[Stack]:
     from sqlalchemy.engine import make_url
 
-    st = make_stack(tmp_path_factory.mktemp("billing"), redis_url, billing_db, model_dir,
-                    worker_concurrency=16, operator_token=OPERATOR, hot_log_ttl_s=600)
-    via_proxy = make_url(billing_db).set(host="127.0.0.1", port=proxy.port).render_as_string(
-        hide_password=False)
+    st = make_stack(
+        tmp_path_factory.mktemp("billing"),
+        redis_url,
+        billing_db,
+        model_dir,
+        worker_concurrency=16,
+        operator_token=OPERATOR,
+        hot_log_ttl_s=600,
+    )
+    via_proxy = (
+        make_url(billing_db)
+        .set(host="127.0.0.1", port=proxy.port)
+        .render_as_string(hide_password=False)
+    )
     try:
         st.start_worker(database_url=via_proxy, recorder_claim_idle_ms=1000)
         st.start_api()
@@ -151,8 +164,13 @@ def cli(
     stack: Stack, *args: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     full = {**os.environ, **stack.settings.to_env(), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "service.cli", *args], env=full,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "service.cli", *args],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 async def _complete_many(url: str, model: str, n: int) -> list[dict[str, Any]]:
@@ -161,8 +179,9 @@ async def _complete_many(url: str, model: str, n: int) -> list[dict[str, Any]]:
 
         async def one(i: int) -> dict[str, Any]:
             async with sem:
-                r = await client.post("/v1/chat/completions",
-                                      json=chat_body(model, f"request {i}: é€ 🤖"))
+                r = await client.post(
+                    "/v1/chat/completions", json=chat_body(model, f"request {i}: é€ 🤖")
+                )
                 return r.json()
 
         return await asyncio.gather(*(one(i) for i in range(n)))
@@ -200,19 +219,26 @@ def test_postgres_down_while_100_requests_finish(
 
 def test_recorder_killed_between_insert_and_ack(stack: Stack, billing_db: str) -> None:
     # a second prefix: a worker with no recorder, and recorders we kill and restart
-    own = make_stack(stack.logs.parent / "kill", stack.settings.redis_url or "", billing_db,
-                     Path(stack.settings.model_dir or ""), recorder_in_worker=False)
+    own = make_stack(
+        stack.logs.parent / "kill",
+        stack.settings.redis_url or "",
+        billing_db,
+        Path(stack.settings.model_dir or ""),
+        recorder_in_worker=False,
+    )
     try:
         own.start_worker()
         own.start_api()
         answers = asyncio.run(_complete_many(own.url, own.model, 5))
         rids = [a["id"] for a in answers]
-        crashing = own._spawn("recorder", "recorder-crash", worker_id="rec-a",
-                              recorder_crash_after_insert=True)
+        crashing = own._spawn(
+            "recorder", "recorder-crash", worker_id="rec-a", recorder_crash_after_insert=True
+        )
         assert crashing.wait(timeout=60) == 17  # it committed a row, then died before the ack
         assert len(rows_for(billing_db, rids)) == 1
-        healthy = own._spawn("recorder", "recorder-ok", worker_id="rec-b",
-                             recorder_claim_idle_ms=500)
+        healthy = own._spawn(
+            "recorder", "recorder-ok", worker_id="rec-b", recorder_claim_idle_ms=500
+        )
         rows = wait_rows(billing_db, rids, timeout_s=30)
         assert sorted(r["id"] for r in rows) == sorted(rids)  # exactly one row each
         healthy.terminate()
@@ -225,9 +251,16 @@ def test_same_terminal_event_twice_is_one_row(stack: Stack, billing_db: str) -> 
     from service.ledger.ledger import Ledger
     from service.stream.events import Summary
 
-    summary = Summary(request_id=f"chatcmpl-dup{time.time_ns()}", kind="chat", model="m",
-                      created_ms=int(time.time() * 1000), state="finished", finish_reason="stop",
-                      prompt_tokens=3, completion_tokens=4)
+    summary = Summary(
+        request_id=f"chatcmpl-dup{time.time_ns()}",
+        kind="chat",
+        model="m",
+        created_ms=int(time.time() * 1000),
+        state="finished",
+        finish_reason="stop",
+        prompt_tokens=3,
+        completion_tokens=4,
+    )
 
     async def twice() -> list[bool]:
         engine = create_async_engine(billing_db)
@@ -245,19 +278,32 @@ def test_same_terminal_event_twice_is_one_row(stack: Stack, billing_db: str) -> 
 def test_resume_from_the_archive_after_the_hot_log_expired(
     tmp_path: Path, stack: Stack, billing_db: str
 ) -> None:
-    short = make_stack(tmp_path, stack.settings.redis_url or "", billing_db,
-                       Path(stack.settings.model_dir or ""), hot_log_ttl_s=2)
+    short = make_stack(
+        tmp_path,
+        stack.settings.redis_url or "",
+        billing_db,
+        Path(stack.settings.model_dir or ""),
+        hot_log_ttl_s=2,
+    )
     try:
         short.start_worker()
         short.start_api()
         with httpx.Client(base_url=short.url, timeout=30) as client:
-            rid, live = raw_events(client, "POST", "/v1/chat/completions",
-                                   json=chat_body(short.model, LONG, stream=True))
-            ids = [line.split(b": ", 1)[1].decode() for line in live.split(b"\n")
-                   if line.startswith(b"id: ")]
+            rid, live = raw_events(
+                client,
+                "POST",
+                "/v1/chat/completions",
+                json=chat_body(short.model, LONG, stream=True),
+            )
+            ids = [
+                line.split(b": ", 1)[1].decode()
+                for line in live.split(b"\n")
+                if line.startswith(b"id: ")
+            ]
             middle = ids[len(ids) // 2]
-            _, hot_rest = raw_events(client, "GET", f"/v1/requests/{rid}/events",
-                                     headers={"Last-Event-ID": middle})
+            _, hot_rest = raw_events(
+                client, "GET", f"/v1/requests/{rid}/events", headers={"Last-Event-ID": middle}
+            )
             assert len(wait_rows(billing_db, [rid])) == 1  # archived
             hot = redis.Redis.from_url(short.settings.redis_url or "")
             log_key = Keys(short.settings.key_prefix).log(rid)
@@ -265,8 +311,9 @@ def test_resume_from_the_archive_after_the_hot_log_expired(
                 wait_until(lambda: not hot.exists(log_key), "the hot log to expire", timeout=60)
             finally:
                 hot.close()
-            _, cold_rest = raw_events(client, "GET", f"/v1/requests/{rid}/events",
-                                      headers={"Last-Event-ID": middle})
+            _, cold_rest = raw_events(
+                client, "GET", f"/v1/requests/{rid}/events", headers={"Last-Event-ID": middle}
+            )
             _, cold_all = raw_events(client, "GET", f"/v1/requests/{rid}/events")
             bad = client.get(f"/v1/requests/{rid}/events", headers={"Last-Event-ID": "1-0"})
         assert cold_rest == hot_rest and len(cold_rest) > 100
@@ -278,12 +325,18 @@ def test_resume_from_the_archive_after_the_hot_log_expired(
 
 def test_replay_byte_for_byte_with_timing(stack: Stack, billing_db: str) -> None:
     with httpx.Client(base_url=stack.url, timeout=30) as client:
-        rid, live = raw_events(client, "POST", "/v1/chat/completions",
-                               json=chat_body(stack.model, LONG[:120], stream=True,
-                                              stream_options={"include_usage": True}))
+        rid, live = raw_events(
+            client,
+            "POST",
+            "/v1/chat/completions",
+            json=chat_body(
+                stack.model, LONG[:120], stream=True, stream_options={"include_usage": True}
+            ),
+        )
         # cancelled mid-way: a second request, cancelled after a few events
-        with client.stream("POST", "/v1/chat/completions",
-                           json=chat_body(stack.model, LONG, stream=True)) as r:
+        with client.stream(
+            "POST", "/v1/chat/completions", json=chat_body(stack.model, LONG, stream=True)
+        ) as r:
             cancelled = r.headers["x-request-id"]
             for i, _ in enumerate(r.iter_lines()):
                 if i == 12:
@@ -303,7 +356,9 @@ def test_replay_byte_for_byte_with_timing(stack: Stack, billing_db: str) -> None
     with httpx.Client(base_url=stack.url, timeout=30) as client:
         requested_at = time.monotonic()
         with client.stream(
-            "GET", f"/v1/admin/requests/{rid}/replay", params={"speed": "1"},
+            "GET",
+            f"/v1/admin/requests/{rid}/replay",
+            params={"speed": "1"},
             headers={"Authorization": f"Bearer {OPERATOR}"},
         ) as r:
             chunks += [(time.monotonic(), chunk) for chunk in r.iter_raw()]
@@ -325,26 +380,38 @@ def test_replay_byte_for_byte_with_timing(stack: Stack, billing_db: str) -> None
     assert span > 0  # the original took time: the bound below says something
     late = [(orig, got) for orig, got in offsets if got < orig - 0.002]
     assert not late, f"frames sent before their original offset (s): {late}"
-    print(f"\nreplay at speed 1: original span {span:.3f} s, replay span "
-          f"{offsets[-1][1] - offsets[0][1]:.3f} s over {len(chunks)} chunks")
+    print(
+        f"\nreplay at speed 1: original span {span:.3f} s, replay span "
+        f"{offsets[-1][1] - offsets[0][1]:.3f} s over {len(chunks)} chunks"
+    )
     # the operator route: same bytes; closed to anyone without the operator token
     with httpx.Client(base_url=stack.url, timeout=30) as client:
         denied = client.get(f"/v1/admin/requests/{rid}/replay")
         assert denied.status_code == 403
-        ok = client.get(f"/v1/admin/requests/{rid}/replay",
-                        headers={"Authorization": f"Bearer {OPERATOR}"})
+        ok = client.get(
+            f"/v1/admin/requests/{rid}/replay", headers={"Authorization": f"Bearer {OPERATOR}"}
+        )
         assert ok.content == live
 
 
 def test_replay_of_an_errored_request(tmp_path: Path, stack: Stack, billing_db: str) -> None:
-    faulty = make_stack(tmp_path, stack.settings.redis_url or "", billing_db,
-                        Path(stack.settings.model_dir or ""), scripted_fail_after=4)
+    faulty = make_stack(
+        tmp_path,
+        stack.settings.redis_url or "",
+        billing_db,
+        Path(stack.settings.model_dir or ""),
+        scripted_fail_after=4,
+    )
     try:
         faulty.start_worker()
         faulty.start_api()
         with httpx.Client(base_url=faulty.url, timeout=30) as client:
-            rid, live = raw_events(client, "POST", "/v1/chat/completions",
-                                   json=chat_body(faulty.model, LONG, stream=True))
+            rid, live = raw_events(
+                client,
+                "POST",
+                "/v1/chat/completions",
+                json=chat_body(faulty.model, LONG, stream=True),
+            )
         assert b'"error"' in live
         out = cli(faulty, "replay", rid)
         assert out.stdout.encode() == live
@@ -361,8 +428,11 @@ def test_reconcile_detects_deleted_and_tampered_rows(stack: Stack, billing_db: s
     clean = cli(stack, "billing", "reconcile", "--since", since)
     assert clean.returncode == 0, clean.stdout
     sql(billing_db, "DELETE FROM requests WHERE id = :id", id=rids[0])
-    sql(billing_db, "UPDATE requests SET completion_tokens = completion_tokens + 1 WHERE id = :id",
-        id=rids[1])
+    sql(
+        billing_db,
+        "UPDATE requests SET completion_tokens = completion_tokens + 1 WHERE id = :id",
+        id=rids[1],
+    )
     report = cli(stack, "billing", "reconcile", "--since", since)
     assert report.returncode == 1
     assert f"MISSING row for {rids[0]}" in report.stdout

@@ -36,9 +36,18 @@ def stack(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
 ) -> Iterator[Stack]:
     with running(
-        tmp_path_factory.mktemp("cancel"), redis_url, database_url, model_dir, apis=2,
-        scripted_tokens_per_s=RATE, scripted_prefill_s=0.8, worker_concurrency=3,
-        presence_check_s=0.2, lease_refresh_s=0.5, lease_ttl_s=2.0, cancel_wait_s=5.0,
+        tmp_path_factory.mktemp("cancel"),
+        redis_url,
+        database_url,
+        model_dir,
+        apis=2,
+        scripted_tokens_per_s=RATE,
+        scripted_prefill_s=0.8,
+        worker_concurrency=3,
+        presence_check_s=0.2,
+        lease_refresh_s=0.5,
+        lease_ttl_s=2.0,
+        cancel_wait_s=5.0,
     ) as st:
         yield st
 
@@ -49,9 +58,18 @@ def prefill_stack(
 ) -> Iterator[Stack]:
     """As ``stack``, but a prefill outlasts every test: a request is in it until aborted."""
     with running(
-        tmp_path_factory.mktemp("prefill"), redis_url, database_url, model_dir, apis=2,
-        scripted_tokens_per_s=RATE, scripted_prefill_s=LONG_PREFILL_S, worker_concurrency=3,
-        presence_check_s=0.2, lease_refresh_s=0.5, lease_ttl_s=2.0, cancel_wait_s=5.0,
+        tmp_path_factory.mktemp("prefill"),
+        redis_url,
+        database_url,
+        model_dir,
+        apis=2,
+        scripted_tokens_per_s=RATE,
+        scripted_prefill_s=LONG_PREFILL_S,
+        worker_concurrency=3,
+        presence_check_s=0.2,
+        lease_refresh_s=0.5,
+        lease_ttl_s=2.0,
+        cancel_wait_s=5.0,
     ) as st:
         yield st
 
@@ -78,9 +96,10 @@ def read_some(url: str, payload: dict[str, Any], n: int) -> tuple[str, list[Any]
     """Open a stream, read ``n`` events, drop the connection. Also returns the wall-clock
     time taken just before the connection closed: the reader left after it."""
     seen = []
-    with httpx.Client(timeout=30) as client, client.stream(
-        "POST", url + "/v1/chat/completions", json=payload
-    ) as r:
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", url + "/v1/chat/completions", json=payload) as r,
+    ):
         rid = r.headers["x-request-id"]
         for event in EventSource(r).iter_sse():
             seen.append(event)
@@ -100,8 +119,9 @@ def test_reconnect_within_grace_completes(stack: Stack) -> None:
     rid, seen, _ = read_some(stack.api_urls[0], body(stack, resume_grace_s=60), 8)
     time.sleep(1.0)  # the phone went through a tunnel (no reader for a while, not a sync)
     with httpx.Client(base_url=stack.api_urls[1], timeout=30) as client:
-        _, rest = read_all(client, "GET", f"/v1/requests/{rid}/events",
-                           headers={"Last-Event-ID": seen[-1].id})
+        _, rest = read_all(
+            client, "GET", f"/v1/requests/{rid}/events", headers={"Last-Event-ID": seen[-1].id}
+        )
     assert content_of(seen + rest) == LONG
     assert finish_reason(rest) == "stop"
     row = ledger_row(stack.settings.database_url or "", rid)
@@ -115,8 +135,10 @@ def test_disconnect_and_stay_away_is_abandoned(stack: Stack) -> None:
     assert status["state"] == "abandoned"
     assert status["finish_reason"] == "abandoned"
     latency = end_time(status) - leaving_at
-    print(f"\nabandon: last reader left -> terminal event {latency * 1000:.0f} ms "
-          f"(grace {grace_s * 1000:.0f} ms, check every 200 ms, 1 step = {1000 / RATE:.0f} ms)")
+    print(
+        f"\nabandon: last reader left -> terminal event {latency * 1000:.0f} ms "
+        f"(grace {grace_s * 1000:.0f} ms, check every 200 ms, 1 step = {1000 / RATE:.0f} ms)"
+    )
     # never before the grace ran out (the reader left after leaving_at; the ids' ms floor)
     assert latency >= grace_s - 0.002
     row = ledger_row(stack.settings.database_url or "", rid)
@@ -136,9 +158,10 @@ def test_two_readers_one_leaves(stack: Stack) -> None:
     """Even with a zero grace period, a request with a reader left is not aborted."""
     payload = body(stack, resume_grace_s=0)
     result: dict[str, Any] = {}
-    with httpx.Client(timeout=30) as client, client.stream(
-        "POST", stack.api_urls[0] + "/v1/chat/completions", json=payload
-    ) as first:
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", stack.api_urls[0] + "/v1/chat/completions", json=payload) as first,
+    ):
         rid = first.headers["x-request-id"]
 
         def second() -> None:
@@ -158,9 +181,10 @@ def test_two_readers_one_leaves(stack: Stack) -> None:
 def test_cancel_mid_decode_from_another_api(stack: Stack) -> None:
     payload = body(stack, include_usage=True)
     events = []
-    with httpx.Client(timeout=30) as client, client.stream(
-        "POST", stack.api_urls[0] + "/v1/chat/completions", json=payload
-    ) as r:
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", stack.api_urls[0] + "/v1/chat/completions", json=payload) as r,
+    ):
         rid = r.headers["x-request-id"]
         stream = EventSource(r).iter_sse()
         for event in stream:
@@ -188,9 +212,10 @@ def test_cancel_mid_decode_from_another_api(stack: Stack) -> None:
 
 def test_cancel_during_prefill(prefill_stack: Stack) -> None:
     stack = prefill_stack
-    with httpx.Client(timeout=30) as client, client.stream(
-        "POST", stack.api_urls[0] + "/v1/chat/completions", json=body(stack)
-    ) as r:
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", stack.api_urls[0] + "/v1/chat/completions", json=body(stack)) as r,
+    ):
         rid = r.headers["x-request-id"]
         wait_state(stack.api_urls[0], rid, {"running"})
         resp = httpx.post(f"{stack.api_urls[1]}/v1/requests/{rid}/cancel", timeout=30)
@@ -206,9 +231,10 @@ def test_cancel_while_queued_never_reaches_the_engine(stack: Stack) -> None:
     blockers = [start_detached(stack) for _ in range(3)]
     for rid in blockers:
         wait_state(stack.url, rid, {"running"})
-    with httpx.Client(timeout=30) as client, client.stream(
-        "POST", stack.api_urls[0] + "/v1/chat/completions", json=body(stack)
-    ) as r:
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", stack.api_urls[0] + "/v1/chat/completions", json=body(stack)) as r,
+    ):
         rid = r.headers["x-request-id"]
         assert httpx.get(f"{stack.url}/v1/requests/{rid}").json()["state"] == "queued"
         resp = httpx.post(f"{stack.api_urls[1]}/v1/requests/{rid}/cancel", timeout=30)
@@ -218,15 +244,20 @@ def test_cancel_while_queued_never_reaches_the_engine(stack: Stack) -> None:
     row = ledger_row(stack.settings.database_url or "", rid)
     assert row is not None and row["completion_tokens"] == 0 and row["worker_id"] is None
     for other in blockers:  # detached requests run on with no reader; cancel them
-        assert httpx.post(f"{stack.url}/v1/requests/{other}/cancel", timeout=30).json()[
-            "state"] == "cancelled"
+        assert (
+            httpx.post(f"{stack.url}/v1/requests/{other}/cancel", timeout=30).json()["state"]
+            == "cancelled"
+        )
 
 
 def start_detached(stack: Stack) -> str:
     """Submit a detached request and hang up at once: it runs on with no reader."""
-    with httpx.Client(timeout=30) as client, client.stream(
-        "POST", stack.url + "/v1/chat/completions", json=body(stack, detached=True)
-    ) as r:
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream(
+            "POST", stack.url + "/v1/chat/completions", json=body(stack, detached=True)
+        ) as r,
+    ):
         return r.headers["x-request-id"]
 
 
@@ -239,8 +270,9 @@ def test_detached_request_runs_to_completion_with_no_reader(stack: Stack) -> Non
 
 
 def test_cancel_after_finish_and_unknown(stack: Stack) -> None:
-    done = httpx.post(stack.url + "/v1/chat/completions", timeout=30,
-                      json=chat_body(stack.model, "short"))
+    done = httpx.post(
+        stack.url + "/v1/chat/completions", timeout=30, json=chat_body(stack.model, "short")
+    )
     rid = done.json()["id"]
     resp = httpx.post(f"{stack.url}/v1/requests/{rid}/cancel")
     assert resp.status_code == 200
@@ -257,9 +289,7 @@ def test_non_streaming_client_that_times_out_is_abandoned(stack: Stack) -> None:
         client.post(stack.url + "/v1/chat/completions", json=payload)
     # find it through the ledger once it ends: the newest abandoned request since then
     # (this session's database; this module's earlier requests were created before)
-    row = wait_until(
-        lambda: _latest_row(stack, "abandoned", since), "an abandoned row", timeout=60
-    )
+    row = wait_until(lambda: _latest_row(stack, "abandoned", since), "an abandoned row", timeout=60)
     assert row["wasted_tokens"] == row["completion_tokens"] > 0  # nobody got any of it
 
 
@@ -273,10 +303,19 @@ def _latest_row(stack: Stack, state: str, since: dt.datetime) -> dict[str, Any] 
         engine = create_async_engine(stack.settings.database_url or "")
         try:
             async with engine.connect() as conn:
-                row = (await conn.execute(text(
-                    "SELECT * FROM requests WHERE state = :s AND created_at >= :since "
-                    "ORDER BY ended_at DESC LIMIT 1"),
-                    {"s": state, "since": since})).mappings().first()
+                row = (
+                    (
+                        await conn.execute(
+                            text(
+                                "SELECT * FROM requests WHERE state = :s AND created_at >= :since "
+                                "ORDER BY ended_at DESC LIMIT 1"
+                            ),
+                            {"s": state, "since": since},
+                        )
+                    )
+                    .mappings()
+                    .first()
+                )
             return dict(row) if row else None
         finally:
             await engine.dispose()
@@ -289,9 +328,15 @@ def burst_stack(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
 ) -> Iterator[Stack]:
     with running(
-        tmp_path_factory.mktemp("burst"), redis_url, database_url, model_dir,
-        scripted_tokens_per_s=RATE, worker_concurrency=32, presence_check_s=0.2,
-        lease_refresh_s=0.5, lease_ttl_s=2.0,
+        tmp_path_factory.mktemp("burst"),
+        redis_url,
+        database_url,
+        model_dir,
+        scripted_tokens_per_s=RATE,
+        worker_concurrency=32,
+        presence_check_s=0.2,
+        lease_refresh_s=0.5,
+        lease_ttl_s=2.0,
     ) as st:
         yield st
 
@@ -331,9 +376,11 @@ async def test_burst_with_walkaways_wastes_at_most_what_the_grace_allows(
     # abort reaches it (the step in flight and the next), per abandoned request
     bound = leavers * (grace_s * RATE + 3)
     generated = sum(r["completion_tokens"] for r in rows if r)  # type: ignore[index]
-    print(f"\nburst: {clients} clients, {leavers} walked away; wasted {wasted} of {generated} "
-          f"generated tokens (bound {bound:.0f} = {leavers} x ({grace_s:g} s grace x {RATE:g} "
-          f"tok/s + 3 steps))")
+    print(
+        f"\nburst: {clients} clients, {leavers} walked away; wasted {wasted} of {generated} "
+        f"generated tokens (bound {bound:.0f} = {leavers} x ({grace_s:g} s grace x {RATE:g} "
+        f"tok/s + 3 steps))"
+    )
     assert 0 < wasted <= bound
 
 

@@ -17,18 +17,23 @@ from tests.e2e.helpers import assert_ids_increase, content_of, read_all
 def cpu_stack(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
 ) -> Iterator[Stack]:
-    with running(tmp_path_factory.mktemp("cpu"), redis_url, database_url, model_dir,
-                 engine="cpu") as st:
+    with running(
+        tmp_path_factory.mktemp("cpu"), redis_url, database_url, model_dir, engine="cpu"
+    ) as st:
         yield st
 
 
 def test_real_model_streams_and_resumes(cpu_stack: Stack) -> None:
     sdk = OpenAI(base_url=cpu_stack.url + "/v1", api_key="unused", max_retries=0)
-    chunks = list(sdk.chat.completions.create(
-        model=cpu_stack.model,
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
-        temperature=0, max_tokens=24, stream=True,
-    ))
+    chunks = list(
+        sdk.chat.completions.create(
+            model=cpu_stack.model,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            temperature=0,
+            max_tokens=24,
+            stream=True,
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert "Paris" in text
     rid = chunks[0].id
@@ -37,8 +42,13 @@ def test_real_model_streams_and_resumes(cpu_stack: Stack) -> None:
         assert content_of(replay) == text
         assert_ids_increase(replay)
         # greedy decoding is deterministic: a second run gives the same answer
-        again = client.post("/v1/chat/completions", json={
-            "model": cpu_stack.model, "temperature": 0, "max_tokens": 24,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}],
-        }).json()
+        again = client.post(
+            "/v1/chat/completions",
+            json={
+                "model": cpu_stack.model,
+                "temperature": 0,
+                "max_tokens": 24,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            },
+        ).json()
         assert again["choices"][0]["message"]["content"] == text

@@ -20,8 +20,16 @@ from tests.e2e.helpers import LONG, assert_ids_increase, chat_body, content_of, 
 def stack(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
 ) -> Iterator[Stack]:
-    with running(tmp_path_factory.mktemp("drain"), redis_url, database_url, model_dir, apis=2,
-                 scripted_tokens_per_s=40.0, drain_s=5.0, reconnect_hint_ms=250) as st:
+    with running(
+        tmp_path_factory.mktemp("drain"),
+        redis_url,
+        database_url,
+        model_dir,
+        apis=2,
+        scripted_tokens_per_s=40.0,
+        drain_s=5.0,
+        reconnect_hint_ms=250,
+    ) as st:
         yield st
 
 
@@ -32,9 +40,10 @@ def test_sigterm_tells_streams_to_reconnect_and_they_resume_elsewhere(stack: Sta
     body = chat_body(stack.model, LONG, stream=True)
     seen = []
     retry = None
-    with httpx.Client(timeout=30) as client, client.stream(
-        "POST", doomed + "/v1/chat/completions", json=body
-    ) as r:
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", doomed + "/v1/chat/completions", json=body) as r,
+    ):
         rid = r.headers["x-request-id"]
         for event in EventSource(r).iter_sse():
             if event.retry is not None:
@@ -49,8 +58,10 @@ def test_sigterm_tells_streams_to_reconnect_and_they_resume_elsewhere(stack: Sta
     assert seen[-1].data != "[DONE]"  # truncated, not finished: the client resumes it
     api_proc.wait(timeout=120)  # a safety net: it exits by itself
     exited_at = time.monotonic()
-    print(f"\ndrain: stream closed {1000 * (ended_at - sent_at):.0f} ms after SIGTERM, "
-          f"process gone after {1000 * (exited_at - sent_at):.0f} ms (drain limit 5000 ms)")
+    print(
+        f"\ndrain: stream closed {1000 * (ended_at - sent_at):.0f} ms after SIGTERM, "
+        f"process gone after {1000 * (exited_at - sent_at):.0f} ms (drain limit 5000 ms)"
+    )
     # within its drain time: the open stream closed itself, uvicorn had nothing to cancel
     # when the drain time ran out, and the process shut down to the end
     log = stack.tail(doomed_log, 1_000_000)
@@ -59,7 +70,8 @@ def test_sigterm_tells_streams_to_reconnect_and_they_resume_elsewhere(stack: Sta
     with pytest.raises(httpx.ConnectError):
         httpx.get(doomed + "/healthz", timeout=2)
     with httpx.Client(base_url=survivor, timeout=30) as client:
-        _, rest = read_all(client, "GET", f"/v1/requests/{rid}/events",
-                           headers={"Last-Event-ID": seen[-1].id})
+        _, rest = read_all(
+            client, "GET", f"/v1/requests/{rid}/events", headers={"Last-Event-ID": seen[-1].id}
+        )
     assert_ids_increase(seen + rest)
     assert content_of(seen + rest) == LONG

@@ -42,10 +42,19 @@ def test_validation_errors_name_the_parameter(stack: Stack, client: httpx.Client
 
 
 def test_malformed_json_and_wrong_types(stack: Stack, client: httpx.Client) -> None:
-    err = error(client.post("/v1/chat/completions", content=b"{not json",
-                            headers={"content-type": "application/json"}), 400)
+    err = error(
+        client.post(
+            "/v1/chat/completions",
+            content=b"{not json",
+            headers={"content-type": "application/json"},
+        ),
+        400,
+    )
     assert err["type"] == "invalid_request_error"
-    err = error(client.post("/v1/chat/completions", json=chat_body(stack.model, "hi", max_tokens="many")), 400)
+    err = error(
+        client.post("/v1/chat/completions", json=chat_body(stack.model, "hi", max_tokens="many")),
+        400,
+    )
     assert "max_tokens" in (err["param"] or "") + err["message"]
 
 

@@ -23,8 +23,9 @@ def faulty(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
 ) -> Iterator[Stack]:
     """One worker whose engine fails after 5 tokens."""
-    with running(tmp_path_factory.mktemp("faulty"), redis_url, database_url, model_dir,
-                 scripted_fail_after=5) as st:
+    with running(
+        tmp_path_factory.mktemp("faulty"), redis_url, database_url, model_dir, scripted_fail_after=5
+    ) as st:
         yield st
 
 
@@ -33,8 +34,13 @@ def crashing(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
 ) -> Iterator[Stack]:
     """One worker whose engine raises something that is not an engine error (a bug)."""
-    with running(tmp_path_factory.mktemp("crashing"), redis_url, database_url, model_dir,
-                 scripted_crash_after=3) as st:
+    with running(
+        tmp_path_factory.mktemp("crashing"),
+        redis_url,
+        database_url,
+        model_dir,
+        scripted_crash_after=3,
+    ) as st:
         yield st
 
 
@@ -43,8 +49,14 @@ def stalled(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
 ) -> Iterator[Stack]:
     """One worker whose engine stops producing after 3 tokens; deadline 2 s."""
-    with running(tmp_path_factory.mktemp("stalled"), redis_url, database_url, model_dir,
-                 scripted_stall_after=3, request_deadline_s=2.0) as st:
+    with running(
+        tmp_path_factory.mktemp("stalled"),
+        redis_url,
+        database_url,
+        model_dir,
+        scripted_stall_after=3,
+        request_deadline_s=2.0,
+    ) as st:
         yield st
 
 
@@ -56,8 +68,9 @@ def _error_event(events: list) -> dict:  # type: ignore[type-arg]
 
 def test_engine_failure_is_an_in_band_error(faulty: Stack) -> None:
     with httpx.Client(base_url=faulty.url, timeout=30) as client:
-        headers, events = read_all(client, "POST", "/v1/chat/completions",
-                                   json=chat_body(faulty.model, LONG, stream=True))
+        headers, events = read_all(
+            client, "POST", "/v1/chat/completions", json=chat_body(faulty.model, LONG, stream=True)
+        )
         err = _error_event(events)
         assert err["code"] == "engine_failure"
         assert finish_reason(events) is None
@@ -80,8 +93,12 @@ def test_a_bug_in_the_worker_ends_the_request_errored(crashing: Stack) -> None:
     reader gets an in-band internal_error and the request a terminal state and a billing
     row, instead of a stream that waits until its safety TTL."""
     with httpx.Client(base_url=crashing.url, timeout=30) as client:
-        headers, events = read_all(client, "POST", "/v1/chat/completions",
-                                   json=chat_body(crashing.model, LONG, stream=True))
+        headers, events = read_all(
+            client,
+            "POST",
+            "/v1/chat/completions",
+            json=chat_body(crashing.model, LONG, stream=True),
+        )
         err = _error_event(events)
         assert err["code"] == "internal_error"
         assert events[-1].data != "[DONE]"
@@ -96,8 +113,9 @@ def test_a_bug_in_the_worker_ends_the_request_errored(crashing: Stack) -> None:
 def test_stalled_engine_hits_the_deadline(stalled: Stack) -> None:
     with httpx.Client(base_url=stalled.url, timeout=60) as client:
         submitted_at = time.time()
-        headers, events = read_all(client, "POST", "/v1/chat/completions",
-                                   json=chat_body(stalled.model, LONG, stream=True))
+        headers, events = read_all(
+            client, "POST", "/v1/chat/completions", json=chat_body(stalled.model, LONG, stream=True)
+        )
     assert _error_event(events)["code"] == "deadline_exceeded"
     # the engine stalled for good: the deadline ended it, and not before it ran out
     [error_id] = [e.id for e in events if e.data and '"error"' in e.data[:10]]
@@ -116,9 +134,12 @@ def _readers(url: str) -> float:
 def test_a_reader_that_vanishes_is_unsubscribed(stalled: Stack) -> None:
     """Disconnect mid-stream: the API process stops following the log for that client."""
     assert _readers(stalled.url) == 0
-    with httpx.Client(base_url=stalled.url, timeout=30) as client, client.stream(
-        "POST", "/v1/chat/completions", json=chat_body(stalled.model, LONG, stream=True)
-    ) as r:
+    with (
+        httpx.Client(base_url=stalled.url, timeout=30) as client,
+        client.stream(
+            "POST", "/v1/chat/completions", json=chat_body(stalled.model, LONG, stream=True)
+        ) as r,
+    ):
         for _event in EventSource(r).iter_sse():
             assert _readers(stalled.url) == 1
             break
@@ -134,15 +155,19 @@ def test_a_worker_killed_mid_answer_ends_the_stream_with_an_error(
 
     from tests.e2e.conftest import make_stack
 
-    st = make_stack(tmp_path, redis_url, database_url, model_dir, scripted_tokens_per_s=20.0,
-                    worker_stale_s=2.0)
+    st = make_stack(
+        tmp_path, redis_url, database_url, model_dir, scripted_tokens_per_s=20.0, worker_stale_s=2.0
+    )
     try:
         worker = st.start_worker()
         st.start_api()
         events = []
-        with httpx.Client(base_url=st.url, timeout=30) as client, client.stream(
-            "POST", "/v1/chat/completions", json=chat_body(st.model, LONG, stream=True)
-        ) as r:
+        with (
+            httpx.Client(base_url=st.url, timeout=30) as client,
+            client.stream(
+                "POST", "/v1/chat/completions", json=chat_body(st.model, LONG, stream=True)
+            ) as r,
+        ):
             rid = r.headers["x-request-id"]
             for event in EventSource(r).iter_sse():
                 events.append(event)
@@ -151,8 +176,10 @@ def test_a_worker_killed_mid_answer_ends_the_stream_with_an_error(
                     worker.send_signal(signal.SIGKILL)
         # the stream ended (the with block is left) with the sweeper's in-band error
         took = time.monotonic() - killed_at
-        print(f"\nworker killed: stream ended with worker_lost after {took * 1000:.0f} ms "
-              f"(heartbeat stale after 2000 ms, sweep every 2000 ms)")
+        print(
+            f"\nworker killed: stream ended with worker_lost after {took * 1000:.0f} ms "
+            f"(heartbeat stale after 2000 ms, sweep every 2000 ms)"
+        )
         assert _error_event(events)["code"] == "worker_lost"
         assert events[-1].data != "[DONE]" and LONG.startswith(content_of(events))
         status = httpx.get(f"{st.url}/v1/requests/{rid}").json()

@@ -26,7 +26,9 @@ def test_chat_streaming_with_usage(stack: Stack, sdk: OpenAI) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == LONG
     assert chunks[0].choices[0].delta.role == "assistant"
-    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finals = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finals == ["stop"]
     usage = chunks[-1].usage
     assert usage is not None and usage.completion_tokens > 0

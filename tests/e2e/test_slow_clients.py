@@ -18,8 +18,15 @@ from tests.e2e.conftest import Stack, running
 def stack(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
 ) -> Iterator[Stack]:
-    with running(tmp_path_factory.mktemp("slow"), redis_url, database_url, model_dir,
-                 request_read_timeout_s=1.5, keepalive_s=0.4, scripted_prefill_s=1.6) as st:
+    with running(
+        tmp_path_factory.mktemp("slow"),
+        redis_url,
+        database_url,
+        model_dir,
+        request_read_timeout_s=1.5,
+        keepalive_s=0.4,
+        scripted_prefill_s=1.6,
+    ) as st:
         yield st
 
 
@@ -69,8 +76,12 @@ def test_a_long_stream_outlives_the_read_timeout(stack: Stack) -> None:
 
     with httpx.Client(base_url=stack.url, timeout=30) as client:
         started = time.monotonic()
-        _, events = read_all(client, "POST", "/v1/chat/completions",
-                             json=chat_body(stack.model, LONG * 2, stream=True, max_tokens=400))
+        _, events = read_all(
+            client,
+            "POST",
+            "/v1/chat/completions",
+            json=chat_body(stack.model, LONG * 2, stream=True, max_tokens=400),
+        )
         took = time.monotonic() - started
     # the premise, which the 1.6 s prefill guarantees: the stream outlasted the read timeout
     assert took > 1.5
@@ -90,15 +101,19 @@ def test_idle_stream_gets_keepalives_then_its_answer(stack: Stack) -> None:
     with httpx.Client(timeout=30) as client:
         started = time.monotonic()
         with client.stream(
-            "POST", stack.url + "/v1/chat/completions",
+            "POST",
+            stack.url + "/v1/chat/completions",
             json=chat_body(stack.model, "still there", stream=True),
         ) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if line == ": ping" and not content:
                     pings_before_content += 1
-                elif (line.startswith("data: ") and '"content":"' in line
-                      and '"content":""' not in line):
+                elif (
+                    line.startswith("data: ")
+                    and '"content":"' in line
+                    and '"content":""' not in line
+                ):
                     if not content:
                         first_content_after = time.monotonic() - started
                     content.append(line)
@@ -110,4 +125,6 @@ def test_idle_stream_gets_keepalives_then_its_answer(stack: Stack) -> None:
     # ... and each only after 0.4 s without anything sent (a ping counts as something): in
     # the silence before the first content, however long it lasted, at most one per 0.4 s
     assert pings_before_content <= first_content_after / 0.4, (
-        pings_before_content, first_content_after)
+        pings_before_content,
+        first_content_after,
+    )

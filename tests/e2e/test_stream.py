@@ -32,7 +32,9 @@ def client(stack: Stack) -> httpx.Client:
 
 def test_uninterrupted_stream(stack: Stack, client: httpx.Client) -> None:
     headers, events = read_all(
-        client, "POST", "/v1/chat/completions",
+        client,
+        "POST",
+        "/v1/chat/completions",
         json=chat_body(stack.model, LONG, stream=True, stream_options={"include_usage": True}),
     )
     assert headers["content-type"].startswith("text/event-stream")
@@ -51,14 +53,18 @@ def test_uninterrupted_stream(stack: Stack, client: httpx.Client) -> None:
     assert row is not None
     assert row["state"] == "finished" and row["finish_reason"] == "stop"
     assert (row["prompt_tokens"], row["completion_tokens"], row["total_tokens"]) == (
-        usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"],
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+        usage["total_tokens"],
     )
     assert row["last_event_id"] == events[-1].id
     assert row["first_token_at"] is not None
 
 
 @pytest.mark.parametrize("drop_after", [1, 7, 40])
-def test_drop_and_resume_with_last_event_id(stack: Stack, client: httpx.Client, drop_after: int) -> None:
+def test_drop_and_resume_with_last_event_id(
+    stack: Stack, client: httpx.Client, drop_after: int
+) -> None:
     body = chat_body(stack.model, LONG, stream=True, stream_options={"include_usage": True})
     seen = []
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -68,7 +74,9 @@ def test_drop_and_resume_with_last_event_id(stack: Stack, client: httpx.Client, 
             if len(seen) == drop_after:
                 break  # the connection is dropped mid-stream
     resumed = seen[-1].id
-    _, rest = read_all(client, "GET", f"/v1/requests/{rid}/events", headers={"Last-Event-ID": resumed})
+    _, rest = read_all(
+        client, "GET", f"/v1/requests/{rid}/events", headers={"Last-Event-ID": resumed}
+    )
     joined = seen + rest
     assert_ids_increase(joined)
     assert content_of(joined) == LONG
@@ -78,17 +86,26 @@ def test_drop_and_resume_with_last_event_id(stack: Stack, client: httpx.Client, 
     assert [(e.id, e.data) for e in again] == [(e.id, e.data) for e in rest]
 
 
-def test_resume_inside_the_terminal_event_repeats_nothing(stack: Stack, client: httpx.Client) -> None:
-    body = chat_body(stack.model, "short answer", stream=True, stream_options={"include_usage": True})
+def test_resume_inside_the_terminal_event_repeats_nothing(
+    stack: Stack, client: httpx.Client
+) -> None:
+    body = chat_body(
+        stack.model, "short answer", stream=True, stream_options={"include_usage": True}
+    )
     _, events = read_all(client, "POST", "/v1/chat/completions", json=body)
     rid = json.loads(events[0].data)["id"]
     final_chunk = next(i for i, e in enumerate(events) if finish_reason([e]))
     assert Cursor.parse(events[final_chunk].id).frame == 0
-    _, rest = read_all(client, "GET", f"/v1/requests/{rid}/events",
-                       headers={"Last-Event-ID": events[final_chunk].id})
+    _, rest = read_all(
+        client,
+        "GET",
+        f"/v1/requests/{rid}/events",
+        headers={"Last-Event-ID": events[final_chunk].id},
+    )
     assert [(e.id, e.data) for e in rest] == [(e.id, e.data) for e in events[final_chunk + 1 :]]
-    _, nothing = read_all(client, "GET", f"/v1/requests/{rid}/events",
-                          headers={"Last-Event-ID": events[-1].id})
+    _, nothing = read_all(
+        client, "GET", f"/v1/requests/{rid}/events", headers={"Last-Event-ID": events[-1].id}
+    )
     assert nothing == []
 
 
@@ -117,8 +134,12 @@ async def test_second_reader_gets_the_same_events(stack: Stack) -> None:
 
 
 def test_status_route(stack: Stack, client: httpx.Client) -> None:
-    _, events = read_all(client, "POST", "/v1/chat/completions",
-                         json=chat_body(stack.model, "hello status", stream=True))
+    _, events = read_all(
+        client,
+        "POST",
+        "/v1/chat/completions",
+        json=chat_body(stack.model, "hello status", stream=True),
+    )
     rid = json.loads(events[0].data)["id"]
     status = client.get(f"/v1/requests/{rid}").json()
     assert status["state"] == "finished"
@@ -128,26 +149,57 @@ def test_status_route(stack: Stack, client: httpx.Client) -> None:
 
 
 def test_max_tokens_and_stop_strings(stack: Stack, client: httpx.Client) -> None:
-    _, events = read_all(client, "POST", "/v1/chat/completions",
-                         json=chat_body(stack.model, LONG, stream=True, max_tokens=5))
+    _, events = read_all(
+        client,
+        "POST",
+        "/v1/chat/completions",
+        json=chat_body(stack.model, LONG, stream=True, max_tokens=5),
+    )
     assert finish_reason(events) == "length"
     assert LONG.startswith(content_of(events)) and len(content_of(events)) < 40
-    _, events = read_all(client, "POST", "/v1/chat/completions",
-                         json=chat_body(stack.model, LONG, stream=True, stop=["fox jumps", "日本"]))
+    _, events = read_all(
+        client,
+        "POST",
+        "/v1/chat/completions",
+        json=chat_body(stack.model, LONG, stream=True, stop=["fox jumps", "日本"]),
+    )
     assert finish_reason(events) == "stop"
     assert content_of(events) == LONG[: LONG.index("日本")]
 
 
 def test_text_completions_stream(stack: Stack, client: httpx.Client) -> None:
-    _, events = read_all(client, "POST", "/v1/completions",
-                         json={"model": stack.model, "prompt": "Zürich €5 🤖", "stream": True})
+    _, events = read_all(
+        client,
+        "POST",
+        "/v1/completions",
+        json={"model": stack.model, "prompt": "Zürich €5 🤖", "stream": True},
+    )
     assert json.loads(events[0].data)["object"] == "text_completion"
     assert content_of(events) == "Zürich €5 🤖"
     assert events[-1].data == "[DONE]"
 
 
-HOSTILE = ["\n", "\r", "\r\n", "\n\n", "data: ", "id: 1-1\n", "event: x", "\x00", "\u2028",
-           "\u2029", "\x85", ": ping", "retry: 1", "[DONE]", "é", "€", "日本語", "🤖", "\ufffd"]
+HOSTILE = [
+    "\n",
+    "\r",
+    "\r\n",
+    "\n\n",
+    "data: ",
+    "id: 1-1\n",
+    "event: x",
+    "\x00",
+    "\u2028",
+    "\u2029",
+    "\x85",
+    ": ping",
+    "retry: 1",
+    "[DONE]",
+    "é",
+    "€",
+    "日本語",
+    "🤖",
+    "\ufffd",
+]
 
 
 def test_hostile_model_output_arrives_intact(
@@ -158,14 +210,18 @@ def test_hostile_model_output_arrives_intact(
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    pieces = st.one_of(st.sampled_from(HOSTILE), st.text(max_size=4).filter(lambda t: "<|" not in t))
+    pieces = st.one_of(
+        st.sampled_from(HOSTILE), st.text(max_size=4).filter(lambda t: "<|" not in t)
+    )
 
     @given(st.lists(pieces, min_size=1, max_size=12).map("".join).filter(str.strip))
-    @settings(max_examples=20, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=20, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
     def check(text: str) -> None:
-        _, events = read_all(client, "POST", "/v1/chat/completions",
-                             json=chat_body(stack.model, text, stream=True))
+        _, events = read_all(
+            client, "POST", "/v1/chat/completions", json=chat_body(stack.model, text, stream=True)
+        )
         # the engine's text: the echo through the tokenizer (which drops a few control
         # characters it cannot represent)
         assert content_of(events) == model.decode(model.encode(text))

@@ -27,8 +27,13 @@ def test_up_with_embedded_servers_serves_and_stops_cleanly(tmp_path: Path, model
         LASTEVENT_PORT=str(port),
     )
     log = open(tmp_path / "up.log", "wb")  # noqa: SIM115
-    up = subprocess.Popen([sys.executable, "-m", "service.cli", "up"], env=env, stdout=log,
-                          stderr=subprocess.STDOUT, start_new_session=True)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "up"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
@@ -44,12 +49,18 @@ def test_up_with_embedded_servers_serves_and_stops_cleanly(tmp_path: Path, model
             raise AssertionError((tmp_path / "up.log").read_text())
         printed = (tmp_path / "up.log").read_text()
         key = printed.split("development API key (tenant 'dev', local use only): ")[1].split()[0]
-        body = {"model": "SmolLM2-135M-Instruct",
-                "messages": [{"role": "user", "content": "hello up"}]}
+        body = {
+            "model": "SmolLM2-135M-Instruct",
+            "messages": [{"role": "user", "content": "hello up"}],
+        }
         denied = httpx.post(url + "/v1/chat/completions", timeout=30, json=body)
         assert denied.status_code == 401
-        resp = httpx.post(url + "/v1/chat/completions", timeout=30, json=body,
-                          headers={"Authorization": f"Bearer {key}"})
+        resp = httpx.post(
+            url + "/v1/chat/completions",
+            timeout=30,
+            json=body,
+            headers={"Authorization": f"Bearer {key}"},
+        )
         assert resp.json()["choices"][0]["message"]["content"] == "hello up"
         children = psutil.Process(up.pid).children(recursive=True)
         assert children

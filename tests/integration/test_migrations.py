@@ -12,8 +12,8 @@ from alembic.migration import MigrationContext
 from sqlalchemy import inspect
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from service.ledger.models import Base
 from service.ledger.migrate import alembic_config, upgrade
+from service.ledger.models import Base
 from tests.conftest import drop_database, fresh_database
 
 
@@ -31,9 +31,13 @@ def _diff_and_tables(url: str) -> tuple[list[object], set[str]]:
         engine = create_async_engine(url)
         try:
             async with engine.connect() as conn:
+
                 def inspect_sync(sync_conn):  # type: ignore[no-untyped-def]
                     ctx = MigrationContext.configure(sync_conn, opts={"compare_type": True})
-                    return compare_metadata(ctx, Base.metadata), set(inspect(sync_conn).get_table_names())
+                    return compare_metadata(ctx, Base.metadata), set(
+                        inspect(sync_conn).get_table_names()
+                    )
+
                 return await conn.run_sync(inspect_sync)
         finally:
             await engine.dispose()

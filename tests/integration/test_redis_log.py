@@ -106,7 +106,8 @@ async def collect(sub: Subscription, n: int, timeout: float = 5.0) -> Batch:
 async def blocked_reads(redis: Redis, client_name: str) -> list[dict[str, str]]:
     """The connections of client ``client_name`` that Redis holds blocked in an XREAD."""
     return [
-        c for c in await redis.client_list()
+        c
+        for c in await redis.client_list()
         if c["name"] == client_name and c["cmd"] == "xread" and "b" in c["flags"]
     ]
 
@@ -154,8 +155,12 @@ async def test_create_writes_lease_and_job_in_the_same_step(
     queue = RequestQueue(redis, keys)
     await queue.ensure_group()
     request_id = rid()
-    job = Job(request_id=request_id, prompt_token_ids=[1, 2],
-              params=SamplingParams(max_tokens=5), deadline_unix_s=0.0)
+    job = Job(
+        request_id=request_id,
+        prompt_token_ids=[1, 2],
+        params=SamplingParams(max_tokens=5),
+        deadline_unix_s=0.0,
+    )
     expiry = int(time.time() * 1000) + 10_000
     await rlog.create(request_id, created(), 600, lease=("tok", expiry), job=encode_job(job))
     assert await redis.zrange(keys.readers(request_id), 0, -1, withscores=True) == [
@@ -242,12 +247,14 @@ async def test_append_many_fences_each_request_on_its_own(rlog: RedisLog):
     assert await rlog.claim(taken, "w2") == 2  # another worker took it over
     done, done_epoch = await new_request(rlog)
     await rlog.append(done, done_epoch, [END], terminal_state="finished", ttl_s=60)
-    results = await rlog.append_many([
-        Append(taken, 1, [delta(1)]),
-        Append(ok, ok_epoch, [delta(1), delta(2)]),
-        Append(done, done_epoch, [delta(3)]),
-        Append(ok, ok_epoch, [END], terminal_state="finished", ttl_s=60),
-    ])
+    results = await rlog.append_many(
+        [
+            Append(taken, 1, [delta(1)]),
+            Append(ok, ok_epoch, [delta(1), delta(2)]),
+            Append(done, done_epoch, [delta(3)]),
+            Append(ok, ok_epoch, [END], terminal_state="finished", ttl_s=60),
+        ]
+    )
     assert isinstance(results[0], Fenced) and isinstance(results[2], AlreadyEnded)
     assert len(results[1]) == 2 and len(results[3]) == 1  # type: ignore[arg-type]
     assert [e for _, e in await rlog.read(ok)] == [created(), delta(1), delta(2), END]
@@ -503,8 +510,10 @@ async def test_queue_two_consumers_no_duplicates_and_ack(redis: Redis, keys: Key
     queue = RequestQueue(redis, keys)
     await queue.ensure_group()
     await queue.ensure_group()  # BUSYGROUP is fine
-    jobs = [Job(request_id=rid(), prompt_token_ids=[1, i],
-                params=SamplingParams(max_tokens=8, seed=i)) for i in range(3)]
+    jobs = [
+        Job(request_id=rid(), prompt_token_ids=[1, i], params=SamplingParams(max_tokens=8, seed=i))
+        for i in range(3)
+    ]
     for job in jobs:
         await queue.enqueue(job)
     await queue.ensure_group()  # also on a stream that has entries
@@ -547,8 +556,10 @@ async def test_terminal_append_without_events_points_the_outbox_at_the_last_entr
 ):
     request_id, epoch = await new_request(rlog)
     [last_id] = await rlog.append(request_id, epoch, [delta(1)])
-    assert await rlog.append(request_id, epoch, [], terminal_state="cancelled", ttl_s=60,
-                             summary=b"s") == []
+    assert (
+        await rlog.append(request_id, epoch, [], terminal_state="cancelled", ttl_s=60, summary=b"s")
+        == []
+    )
     [(_, fields)] = await redis.xrange(keys.outbox, count=1)
     assert fields[b"i"].decode() == str(last_id)
     assert (await rlog.meta(request_id)).state == "cancelled"  # type: ignore[union-attr]

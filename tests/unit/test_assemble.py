@@ -80,8 +80,10 @@ def test_deltas_equal_full_decode_cut_at_first_stop(
 
 
 @PROPS
-@given(ids=st.lists(st.integers(0, VOCAB_SIZE - 1), max_size=30),
-       cuts=st.lists(st.integers(0, 60), max_size=10))
+@given(
+    ids=st.lists(st.integers(0, VOCAB_SIZE - 1), max_size=30),
+    cuts=st.lists(st.integers(0, 60), max_size=10),
+)
 def test_arbitrary_token_ids_stream_like_a_full_decode(
     tiny_model: ModelInfo, ids: list[int], cuts: list[int]
 ) -> None:

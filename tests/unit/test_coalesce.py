@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import httpx
+from httpx_sse import EventSource
 from hypothesis import given
 from hypothesis import strategies as st
-from httpx_sse import EventSource
 
 from service.stream import sse
 from service.stream.events import Created, Delta, End, Event
@@ -27,7 +28,9 @@ def numbered(evs: list[Event]) -> list[tuple[EventId, Event]]:
     return [(EventId(1000 + i, 0), e) for i, e in enumerate(evs)]
 
 
-def render(batch: list[tuple[EventId, Event]], cursor: Cursor | None = None) -> list[tuple[str, str]]:
+def render(
+    batch: list[tuple[EventId, Event]], cursor: Cursor | None = None
+) -> list[tuple[str, str]]:
     r = ChunkRenderer("r", Created(kind="chat", model="m", created=1, prompt_tokens=1))
     body = b"".join(b"".join(sse_event_frames(r, i, e, cursor)) for i, e in batch)
     resp = httpx.Response(200, headers={"content-type": sse.MEDIA_TYPE}, content=body)
@@ -48,7 +51,9 @@ def test_coalesced_stream_says_the_same_with_fewer_events(evs: list[Event]) -> N
     batch = numbered(evs)
     merged = coalesce(batch)
     assert len(merged) <= len(batch)
-    assert not any(isinstance(a[1], Delta) and isinstance(b[1], Delta) for a, b in zip(merged, merged[1:]))
+    assert not any(
+        isinstance(a[1], Delta) and isinstance(b[1], Delta) for a, b in itertools.pairwise(merged)
+    )
     assert text(render(merged)) == text(render(batch))
     # every id a coalesced reader saw is a cursor that resumes the canonical stream exactly
     for frame_id, _data in render(merged):

@@ -29,8 +29,21 @@ def test_cursor_order_is_event_then_frame_whole_last(a: Cursor, b: Cursor) -> No
 
 @pytest.mark.parametrize(
     "raw",
-    ["", "abc", "1-", "-1", "1-2-3", "1-2:", "1-2:x", "1 -2", "1-2\nid: 9-9", "99999999999999999999999-1",
-     "18446744073709551616-0", "1-2:99999", "１-２"],
+    [
+        "",
+        "abc",
+        "1-",
+        "-1",
+        "1-2-3",
+        "1-2:",
+        "1-2:x",
+        "1 -2",
+        "1-2\nid: 9-9",
+        "99999999999999999999999-1",
+        "18446744073709551616-0",
+        "1-2:99999",
+        "\uff11-\uff12",  # full-width digits: not ASCII, must be refused
+    ],
 )
 def test_malformed_cursor_rejected(raw: str) -> None:
     with pytest.raises(InvalidEventId):

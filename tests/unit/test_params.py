@@ -34,8 +34,15 @@ def test_null_means_the_default_and_given_values_travel() -> None:
 
 @pytest.mark.parametrize(
     "field, value",
-    [("temperature", 2.5), ("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("seed", 2**63),
-     ("seed", -(2**63) - 1), ("seed", 1.5)],
+    [
+        ("temperature", 2.5),
+        ("temperature", -1),
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("seed", 2**63),
+        ("seed", -(2**63) - 1),
+        ("seed", 1.5),
+    ],
 )
 def test_the_bounds_are_the_schemas(field: str, value: object) -> None:
     raw = msgspec.json.encode({"model": "m", "prompt": "p", field: value})

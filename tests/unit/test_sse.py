@@ -5,18 +5,37 @@ from __future__ import annotations
 import json
 
 import httpx
+from httpx_sse import EventSource
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from httpx_sse import EventSource
 
 from service.stream import sse
 from service.stream.events import Created, Delta, End, Kind
 from service.stream.ids import EventId, frame_ids
 from service.stream.render import ChunkRenderer
 
-HOSTILE = ["\n", "\r", "\r\n", "\n\n", "data: ", "id: 1-1", "event: x", "\x00", "\u2028", "\u2029",
-           "\x85", ":", "retry: 1", "\ufeff", "é", "日本語", "🤖"]
-hostile_text = st.lists(st.one_of(st.sampled_from(HOSTILE), st.text(max_size=5)), max_size=12).map("".join)
+HOSTILE = [
+    "\n",
+    "\r",
+    "\r\n",
+    "\n\n",
+    "data: ",
+    "id: 1-1",
+    "event: x",
+    "\x00",
+    "\u2028",
+    "\u2029",
+    "\x85",
+    ":",
+    "retry: 1",
+    "\ufeff",
+    "é",
+    "日本語",
+    "🤖",
+]
+hostile_text = st.lists(st.one_of(st.sampled_from(HOSTILE), st.text(max_size=5)), max_size=12).map(
+    "".join
+)
 
 
 def parse(body: bytes) -> list[tuple[str, str]]:
@@ -67,7 +86,11 @@ def test_end_renders_final_usage_and_done() -> None:
     )
     assert frames[-1] == sse.DONE
     assert json.loads(frames[0])["choices"][0]["finish_reason"] == "stop"
-    assert json.loads(frames[1])["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert json.loads(frames[1])["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "total_tokens": 7,
+    }
 
 
 def test_errored_end_has_no_done() -> None:
@@ -83,8 +106,12 @@ def test_keepalive_between_events_is_invisible_to_the_openai_sdk() -> None:
     from openai._streaming import SSEDecoder
 
     body = (
-        sse.frame(b'{"a":1}', "1-0") + sse.KEEPALIVE + sse.KEEPALIVE + sse.frame(b'{"b":2}', "2-0")
-        + sse.KEEPALIVE + sse.frame(sse.DONE, "3-0")
+        sse.frame(b'{"a":1}', "1-0")
+        + sse.KEEPALIVE
+        + sse.KEEPALIVE
+        + sse.frame(b'{"b":2}', "2-0")
+        + sse.KEEPALIVE
+        + sse.frame(sse.DONE, "3-0")
     )
     events = list(SSEDecoder().iter_bytes(iter([body[i : i + 7] for i in range(0, len(body), 7)])))
     assert [e.data for e in events] == ['{"a":1}', '{"b":2}', "[DONE]"]

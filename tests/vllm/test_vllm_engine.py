@@ -114,8 +114,12 @@ async def test_runner_appends_one_step_of_all_requests_in_one_round_trip(
             created = Created(kind="chat", model="m", created=0, prompt_tokens=len(ids))
             await log.create(rid, created, 600, detached=True)
             params = SamplingParams(max_tokens=24, temperature=0.0)
-            job = Job(request_id=rid, prompt_token_ids=ids, params=params,
-                      deadline_unix_s=time.time() + 120)
+            job = Job(
+                request_id=rid,
+                prompt_token_ids=ids,
+                params=params,
+                deadline_unix_s=time.time() + 120,
+            )
             await queue.enqueue(job)
         deadline = time.monotonic() + 120  # a hang guard; the assertions are on the log
         while time.monotonic() < deadline:
