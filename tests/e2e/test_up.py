@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -35,20 +34,18 @@ def test_up_with_embedded_servers_serves_and_stops_cleanly(tmp_path: Path, model
         start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
+    banner = "development API key (tenant 'dev', local use only): "
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            assert up.poll() is None, (tmp_path / "up.log").read_text()
-            try:
-                if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        else:
-            raise AssertionError((tmp_path / "up.log").read_text())
+        # the banner is what a user waits for: it comes only once the API answers
+        wait_until(
+            lambda: up.poll() is not None or banner in (tmp_path / "up.log").read_text(),
+            timeout=90,
+            what="the serving banner",
+        )
         printed = (tmp_path / "up.log").read_text()
-        key = printed.split("development API key (tenant 'dev', local use only): ")[1].split()[0]
+        assert up.poll() is None, printed
+        assert httpx.get(url + "/readyz", timeout=5).status_code == 200
+        key = printed.split(banner)[1].split()[0]
         body = {
             "model": "SmolLM2-135M-Instruct",
             "messages": [{"role": "user", "content": "hello up"}],
