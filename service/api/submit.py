@@ -4,6 +4,8 @@ log, the caller's reader lease and the job in one step."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import secrets
 import time
 from collections.abc import Sequence
@@ -12,7 +14,7 @@ from service.api.admission import who
 from service.api.auth import Principal
 from service.api.context import Context
 from service.api.schemas import ChatCompletionRequest, CompletionRequest
-from service.errors import Forbidden, InvalidRequest
+from service.errors import Forbidden, InvalidRequest, NotFound
 from service.store.presence import Lease
 from service.store.queue import Job, encode_job
 from service.stream.events import Created, Kind
@@ -32,9 +34,30 @@ class Submission:
     detached: bool
 
 
+# what ``new_request_id`` issues, and so all a per-request route may look up
+REQUEST_ID_RE = re.compile(r"(?:chatcmpl|cmpl)-[0-9a-f]{32}")
+_SHOWN_ID_CHARS = 64
+
+
 def new_request_id(kind: Kind) -> str:
     """Unguessable: 128 random bits."""
     return ("chatcmpl-" if kind == Kind.CHAT else "cmpl-") + secrets.token_hex(16)
+
+
+def no_such_request(request_id: str) -> NotFound:
+    """The one answer for an id that never existed, another tenant's request and a
+    string that is not a request id at all: nothing tells them apart."""
+    shown = request_id[:_SHOWN_ID_CHARS] + ("..." if len(request_id) > _SHOWN_ID_CHARS else "")
+    return NotFound(f"no request '{shown}'", param="request_id", code="not_found")
+
+
+def checked_request_id(request_id: str) -> str:
+    """A path's request id, if this server could have issued it; otherwise the unknown
+    id's 404. Call it before the first lookup: the stores must never see anything else
+    (Postgres rejects a NUL in a text parameter, which would be a 500)."""
+    if REQUEST_ID_RE.fullmatch(request_id) is None:
+        raise no_such_request(request_id)
+    return request_id
 
 
 def check_model(
@@ -76,21 +99,30 @@ def check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def check_max_tokens(requested: int | None, prompt_tokens: int, default: int, ctx_len: int) -> int:
+def check_max_tokens(
+    requested: int | None,
+    prompt_tokens: int,
+    default: int,
+    ctx_len: int,
+    *,
+    param: str = "max_tokens",
+    prompt_param: str = "messages",
+) -> int:
+    """``param``/``prompt_param``: the fields the client sent, named in the 400."""
     room = ctx_len - prompt_tokens
     if room <= 0:
         raise InvalidRequest(
             f"the prompt has {prompt_tokens} tokens; the model's context length is {ctx_len}",
-            param="messages",
+            param=prompt_param,
             code="context_length_exceeded",
         )
     if requested is None:
         return min(room, default)
     if requested > room:
         raise InvalidRequest(
-            f"max_tokens is {requested} but the prompt has {prompt_tokens} tokens and the "
+            f"{param} is {requested} but the prompt has {prompt_tokens} tokens and the "
             f"model's context length is {ctx_len} (at most {room} tokens can be generated)",
-            param="max_tokens",
+            param=param,
             code="context_length_exceeded",
         )
     return requested
@@ -109,7 +141,7 @@ def submission(
     grace = settings.resume_grace_s
     if options is not None and options.resume_grace_s is not None:
         grace = options.resume_grace_s
-        if grace > settings.max_resume_grace_s:
+        if not math.isfinite(grace) or grace > settings.max_resume_grace_s:
             raise InvalidRequest(
                 f"stream_options.resume_grace_s is {grace:g}; at most "
                 f"{settings.max_resume_grace_s:g} seconds are allowed",
@@ -118,7 +150,16 @@ def submission(
     params = SamplingParams.from_request(
         body,
         max_tokens=check_max_tokens(
-            max_tokens, len(prompt_ids), settings.default_max_tokens, ctx_len
+            max_tokens,
+            len(prompt_ids),
+            settings.default_max_tokens,
+            ctx_len,
+            param=(
+                "max_completion_tokens"
+                if getattr(body, "max_completion_tokens", None) is not None
+                else "max_tokens"
+            ),
+            prompt_param="messages" if kind == Kind.CHAT else "prompt",
         ),
         stop=check_stop(body.stop),
     )

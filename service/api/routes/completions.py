@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+import msgspec
 from litestar import Controller, Request, Response, post
 from litestar.response import Stream
 
@@ -28,6 +29,24 @@ from service.stream.render import error_object
 
 REQUEST_ID_HEADER = "X-Request-Id"
 T = TypeVar("T")
+
+# a number too large for a float (1e400) becomes inf, so that the field's own bound names
+# it in the 400 (decoded to Any, msgspec could only say "out of range at $[...]")
+_JSON = msgspec.json.Decoder(float_hook=float)
+
+
+class JsonBodyRequest(Request[Any, Any, Any]):
+    """Litestar's request, but a body that is not JSON is always a 400: Litestar's own
+    decoding lets a RecursionError (``[[[[...]]]]`` nested deep enough) become a 500."""
+
+    async def json(self) -> Any:
+        body = await self.body()
+        try:
+            return _JSON.decode(body or b"null")
+        except RecursionError:
+            raise InvalidRequest("the JSON body is nested too deeply") from None
+        except msgspec.DecodeError as exc:
+            raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
 
 
 async def _answer(
@@ -82,6 +101,7 @@ async def until_disconnect(
 class CompletionsController(Controller):
     path = "/v1"
     tags = ("completions",)
+    request_class = JsonBodyRequest
 
     @post(
         "/chat/completions",

@@ -17,7 +17,8 @@ from service.api.readers import cold_frames, sse_frames
 from service.api.routes.completions import REQUEST_ID_HEADER
 from service.api.schemas import error_responses
 from service.api.status import request_status
-from service.errors import InvalidRequest, NotFound
+from service.api.submit import checked_request_id, no_such_request
+from service.errors import InvalidRequest
 from service.stream import sse
 from service.stream.events import Created, End, Event, summarize
 from service.stream.ids import Cursor, EventId, InvalidEventId
@@ -41,7 +42,7 @@ def _owned(
     if created is None and not required:
         return None
     if not isinstance(created, Created) or created.tenant != principal.tenant:
-        raise NotFound(f"no request '{rid}'", param="request_id", code="not_found")
+        raise no_such_request(rid)
     return created
 
 
@@ -56,7 +57,7 @@ def _foreign(cursor: Cursor, rid: str, param: str) -> InvalidRequest:
 async def _archived(ctx: Context, rid: str) -> list[tuple[EventId, Event]]:
     entries = await ctx.ledger.archived(rid) if ctx.ledger is not None else None
     if not entries:
-        raise NotFound(f"no request '{rid}'", param="request_id", code="not_found")
+        raise no_such_request(rid)
     return entries
 
 
@@ -87,6 +88,8 @@ class RequestsController(Controller):
         header = request.headers.get("last-event-id")
         cursor = _cursor(header, "Last-Event-ID") if header else _cursor(after, "after")
         param = "Last-Event-ID" if header else "after"
+        # after the cursor's check, as for an id that never existed (same answers)
+        checked_request_id(request_id)
         headers = {**sse.HEADERS, REQUEST_ID_HEADER: request_id}
         # first entry, the cursor's entry, last entry: one round trip (each await is a turn
         # of a busy event loop, and this is the reconnect latency a client feels)
@@ -117,9 +120,9 @@ class RequestsController(Controller):
         responses=error_responses(401, 404),
     )
     async def status(self, ctx: Context, principal: Principal, request_id: str) -> dict[str, Any]:
-        found = await request_status(ctx, request_id)
+        found = await request_status(ctx, checked_request_id(request_id))
         if found is None or found.pop("tenant") != principal.tenant:
-            raise NotFound(f"no request '{request_id}'", param="request_id", code="not_found")
+            raise no_such_request(request_id)
         return found
 
     @post(
@@ -134,6 +137,7 @@ class RequestsController(Controller):
         """Queued: ended here, no engine sees it. Running: its worker aborts it at the next
         engine step. Already ended: nothing changes. Answers the request's state: 200 once
         it is terminal, 202 if the worker has not confirmed within ``cancel_wait_s``."""
+        checked_request_id(request_id)
         created = _owned(await ctx.log.first(request_id), principal, request_id, required=True)
         assert created is not None
         queued_end = End(
@@ -148,12 +152,12 @@ class RequestsController(Controller):
             request_id, queued_end, ctx.settings.hot_log_ttl_s, summary
         )
         if outcome.outcome == "missing":
-            raise NotFound(f"no request '{request_id}'", param="request_id", code="not_found")
+            raise no_such_request(request_id)
         deadline = time.monotonic() + ctx.settings.cancel_wait_s
         while True:
             found = await request_status(ctx, request_id)
             if found is None:
-                raise NotFound(f"no request '{request_id}'", param="request_id", code="not_found")
+                raise no_such_request(request_id)
             found.pop("tenant", None)
             if State(found["state"]).terminal or time.monotonic() >= deadline:
                 break
