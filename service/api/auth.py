@@ -3,18 +3,31 @@
 Verified keys are cached per API process for ``auth_cache_s``: revoking a key takes
 effect within that time on every replica. The keys themselves live in Postgres
 (``service/ledger/api_keys.py``).
+
+When Postgres cannot be asked (down, refusing, or not answering within the ledger's
+lookup bound), the last answer the store gave for a key is served however old it is --
+a verified key keeps working, a key it called unknown or revoked stays a 401 -- and a
+key never seen before is a 503 with ``Retry-After`` (``key_store_unavailable``): this
+process cannot know. After a failure at most one lookup per ``probe_interval_s`` asks
+the store (a cached key's in the background, so its request does not wait); the first
+answer ends the outage and the cache refreshes as usual again.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import hmac
+import logging
 import re
 import time
 
-from service.errors import Unauthorized
-from service.ledger.api_keys import ApiKeys, hash_secret
+from service.errors import ServiceUnavailable, Unauthorized
+from service.ledger.api_keys import ApiKeys, PostgresUnavailable, hash_secret
 from service.ledger.models import ApiKeyRow
+
+log = logging.getLogger("lastevent.auth")
 
 KEY_RE = re.compile(r"sk-le-([a-z0-9]{1,32})-([A-Za-z0-9]{8,128})")
 
@@ -38,15 +51,45 @@ def parse_key(raw: str) -> tuple[str, str] | None:
     return None if match is None else (match.group(1), match.group(2))
 
 
+RETRY_AFTER_S = 2  # told to the holder of a key never seen while the store is down
+PROBE_INTERVAL_S = 1.0  # while the store is failing: at most one lookup per interval
+MAX_ENTRIES = 10_000
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Answer:
+    asked: float  # time.monotonic() when the store was asked
+    row: ApiKeyRow | None  # None: no such key
+
+
 class Authenticator:
-    def __init__(self, keys: ApiKeys | None, *, auth: str = "required", cache_s: float = 30.0):
+    def __init__(
+        self,
+        keys: ApiKeys | None,
+        *,
+        auth: str = "required",
+        cache_s: float = 30.0,
+        probe_interval_s: float = PROBE_INTERVAL_S,
+        max_entries: int = MAX_ENTRIES,
+    ):
         self.keys = keys
         self.auth = auth
         self.cache_s = cache_s
-        self._cache: dict[str, tuple[float, ApiKeyRow | None]] = {}
+        self.probe_interval_s = probe_interval_s
+        self.max_entries = max_entries
+        self._cache: dict[str, _Answer] = {}  # oldest answer first
+        self._lookups: dict[str, asyncio.Future[ApiKeyRow | None]] = {}  # one per key
+        self._refreshes: set[asyncio.Task[None]] = set()
+        self._failing_since: float | None = None  # the store's last lookup failed
+        self._next_probe = 0.0
+
+    @property
+    def store_failing(self) -> bool:
+        return self._failing_since is not None
 
     async def principal(self, authorization: str | None) -> Principal:
-        """The caller, from the ``Authorization`` header; ``Unauthorized`` otherwise."""
+        """The caller, from the ``Authorization`` header; ``Unauthorized`` otherwise
+        (``ServiceUnavailable`` for a key not seen before while Postgres is down)."""
         raw = (authorization or "").strip()
         if raw.lower().startswith("bearer "):
             raw = raw[7:].strip()
@@ -79,13 +122,90 @@ class Authenticator:
         return Principal(tenant=row.tenant, key_id=row.id, role=row.role, models=models)
 
     async def _row(self, key_id: str) -> ApiKeyRow | None:
-        assert self.keys is not None
         now = time.monotonic()
         cached = self._cache.get(key_id)
-        if cached is not None and now - cached[0] < self.cache_s:
-            return cached[1]
-        value = await self.keys.get(key_id)
-        if len(self._cache) > 10_000:
-            self._cache.clear()
-        self._cache[key_id] = (now, value)
-        return value
+        if cached is not None and now - cached.asked < self.cache_s:
+            return cached.row
+        if self._failing_since is not None:
+            if now < self._next_probe:  # the store just failed: do not make everyone wait on it
+                return self._last_answer(key_id)
+            self._next_probe = now + self.probe_interval_s  # this request probes; no one else
+            if cached is not None:
+                self._refresh_in_background(key_id)
+                return cached.row
+        try:
+            return await self._lookup(key_id)
+        except PostgresUnavailable as exc:
+            return self._last_answer(key_id, exc)
+
+    def _last_answer(self, key_id: str, exc: PostgresUnavailable | None = None) -> ApiKeyRow | None:
+        """What the store last said about the key, however old; 503 if it never said."""
+        cached = self._cache.get(key_id)
+        if cached is not None:
+            return cached.row
+        raise ServiceUnavailable(
+            "the API key store is unavailable, and this key has not been verified before; retry",
+            code="key_store_unavailable",
+            retry_after_s=RETRY_AFTER_S,
+        ) from exc
+
+    async def _lookup(self, key_id: str) -> ApiKeyRow | None:
+        """Ask the store, one lookup per key at a time (concurrent requests share it; a
+        caller that goes away does not cancel it for the others)."""
+        pending = self._lookups.get(key_id)
+        if pending is None:
+            pending = asyncio.ensure_future(self._ask(key_id))
+            self._lookups[key_id] = pending
+            pending.add_done_callback(lambda done: self._looked_up(key_id, done))
+        return await asyncio.shield(pending)
+
+    def _looked_up(self, key_id: str, done: asyncio.Future[ApiKeyRow | None]) -> None:
+        if self._lookups.get(key_id) is done:
+            del self._lookups[key_id]
+        if not done.cancelled():
+            done.exception()  # retrieved: every caller may have gone
+
+    async def _ask(self, key_id: str) -> ApiKeyRow | None:
+        assert self.keys is not None
+        asked = time.monotonic()
+        try:
+            row = await self.keys.get(key_id)
+        except PostgresUnavailable as exc:
+            self._failed(exc)
+            raise
+        if self._failing_since is not None:
+            log.warning(
+                "the API key store answers again (after %.1f s)",
+                time.monotonic() - self._failing_since,
+            )
+            self._failing_since = None
+        self._cache.pop(key_id, None)  # to the end: the dict stays in order of asking
+        self._cache[key_id] = _Answer(asked, row)
+        while len(self._cache) > self.max_entries:
+            del self._cache[next(iter(self._cache))]
+        return row
+
+    def _failed(self, exc: PostgresUnavailable) -> None:
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since = now
+            log.warning(
+                "the API key store is unavailable (%s): serving the last verified answers;"
+                " keys not seen before get 503",
+                exc,
+            )
+        self._next_probe = now + self.probe_interval_s
+
+    def _refresh_in_background(self, key_id: str) -> None:
+        async def refresh() -> None:
+            with contextlib.suppress(PostgresUnavailable):
+                await self._lookup(key_id)
+
+        task = asyncio.create_task(refresh(), name=f"auth-refresh-{key_id}")
+        self._refreshes.add(task)
+        task.add_done_callback(self._refreshed)
+
+    def _refreshed(self, task: asyncio.Task[None]) -> None:
+        self._refreshes.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("refreshing a cached API key failed", exc_info=exc)

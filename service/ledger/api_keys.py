@@ -3,6 +3,10 @@
 A key looks like ``sk-le-<key id>-<secret>``; the key id is public (it names the key
 in the ledger and in logs). The secrets are random 128-bit values, so a fast hash is
 enough (no password stretching needed). Verifying a key is ``api/auth.py``'s job.
+
+``get`` is on every request's path (when the API's cache has no fresh answer): it is
+bounded in time and raises ``PostgresUnavailable`` when Postgres cannot be asked, so
+the API can tell "no such key" (``None``) from "cannot know now".
 """
 
 from __future__ import annotations
@@ -14,7 +18,10 @@ from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from service.ledger.ledger import PostgresUnavailable, asking
 from service.ledger.models import ApiKeyRow, TenantRow
+
+__all__ = ["ROLES", "ApiKeys", "PostgresUnavailable", "hash_secret"]
 
 ROLES = ("user", "operator")
 
@@ -61,6 +68,8 @@ class ApiKeys:
         return f"sk-le-{key_id}-{secret}"
 
     async def get(self, key_id: str) -> ApiKeyRow | None:
-        async with self.engine.connect() as conn:
+        """The key's row, ``None`` if there is none; ``PostgresUnavailable`` if Postgres
+        cannot be asked (down, refusing, or not answering within the lookup bound)."""
+        async with asking(f"API key {key_id}"), self.engine.connect() as conn:
             row = (await conn.execute(select(ApiKeyRow).where(ApiKeyRow.id == key_id))).first()
         return None if row is None else ApiKeyRow(**row._mapping)

@@ -7,12 +7,17 @@ terminal event twice (a recorder killed between commit and ack) changes nothing.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime as dt
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from sqlalchemy import delete, func, select, text
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
@@ -21,9 +26,92 @@ from service.stream import archive as archive_format
 from service.stream.events import Event, Summary
 from service.stream.ids import EventId
 
+CONNECT_TIMEOUT_S = 5.0  # a connection attempt to a half-dead server gives up after this
+POOL_TIMEOUT_S = 5.0  # waiting for a pooled connection (all busy or all connecting)
+LOOKUP_TIMEOUT_S = 5.0  # one read on a request's path, pool wait and pre-ping included
 
-def make_engine(url: str) -> AsyncEngine:
-    return create_async_engine(url, pool_size=5, max_overflow=5, pool_pre_ping=True)
+
+def make_engine(
+    url: str,
+    *,
+    connect_timeout_s: float = CONNECT_TIMEOUT_S,
+    pool_timeout_s: float = POOL_TIMEOUT_S,
+) -> AsyncEngine:
+    """The engine every process uses. A server that accepts connections and never
+    answers (half-dead, or a black-holed network) costs a caller ``connect_timeout_s``,
+    not asyncpg's default minute."""
+    connect_args: dict[str, Any] = {}
+    if make_url(url).get_driver_name() == "asyncpg":
+        connect_args["timeout"] = connect_timeout_s
+    return create_async_engine(
+        url,
+        pool_size=5,
+        max_overflow=5,
+        pool_pre_ping=True,
+        pool_timeout=pool_timeout_s,
+        connect_args=connect_args,
+    )
+
+
+class PostgresUnavailable(Exception):
+    """Postgres could not be asked: down, refusing, unreachable, shutting down, or too
+    slow to answer. Not a bug: the API answers 503 (or serves what it already knows)."""
+
+
+# SQLSTATEs that say "the server is not there for you", not "your query is wrong":
+# class 08 (connection exception) is matched by prefix
+_UNREACHABLE_SQLSTATES = frozenset(
+    {
+        "57P01",  # admin_shutdown (the server is stopping)
+        "57P02",  # crash_shutdown
+        "57P03",  # cannot_connect_now (starting up, shutting down, in recovery)
+        "53300",  # too_many_connections
+    }
+)
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` means Postgres could not be reached (rather than a bug).
+
+    What the asyncpg engine actually raises (measured): a stopped server, connection
+    refused, a missing unix socket or a connection closed on accept -- the bare
+    ``OSError`` (``ConnectionRefusedError``, ``FileNotFoundError``,
+    ``ConnectionResetError``); a connect timeout -- ``TimeoutError``; a pooled
+    connection whose server went away -- ``sqlalchemy.exc.InterfaceError`` or
+    ``DBAPIError`` with ``connection_invalidated`` (asyncpg's
+    ``ConnectionDoesNotExistError``, SQLSTATE 08003, from ``AdminShutdownError``
+    57P01). The asyncpg dialect maps no error to ``OperationalError``; other drivers
+    do, so it counts too. The pool's own checkout timeout is
+    ``sqlalchemy.exc.TimeoutError``.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError | sa_exc.TimeoutError | sa_exc.OperationalError):
+            return True  # OSError includes TimeoutError and every ConnectionError
+        if isinstance(current, sa_exc.DBAPIError) and current.connection_invalidated:
+            return True
+        state = getattr(current, "sqlstate", None)
+        if isinstance(state, str) and (state.startswith("08") or state in _UNREACHABLE_SQLSTATES):
+            return True
+        orig = current.orig if isinstance(current, sa_exc.DBAPIError) else None
+        current = current.__cause__ or orig  # not __context__: a bug raised while handling
+    return False
+
+
+@contextlib.asynccontextmanager
+async def asking(what: str, timeout_s: float = LOOKUP_TIMEOUT_S) -> AsyncIterator[None]:
+    """Bound a read on a request's path and turn "Postgres is unreachable" into
+    ``PostgresUnavailable``; anything else (a bug) propagates as it is."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            yield
+    except Exception as exc:
+        if unreachable(exc):
+            detail = str(exc) or "no answer"
+            raise PostgresUnavailable(f"{what}: {type(exc).__name__}: {detail}") from exc
+        raise
 
 
 def _ts(ms: int | None) -> dt.datetime | None:
@@ -85,7 +173,8 @@ class Ledger:
         return bool(result.rowcount)
 
     async def get(self, request_id: str) -> RequestRow | None:
-        async with self._sessions() as session:
+        """The request's row; ``PostgresUnavailable`` if Postgres cannot be asked."""
+        async with asking(f"request {request_id}"), self._sessions() as session:
             return (
                 await session.execute(select(RequestRow).where(RequestRow.id == request_id))
             ).scalar_one_or_none()
@@ -103,12 +192,14 @@ class Ledger:
         return "ok"
 
     async def archived(self, request_id: str) -> list[tuple[EventId, Event]] | None:
-        """The archived log's entries (the hot log's ids and payloads), if there is one."""
+        """The archived log's entries (the hot log's ids and payloads), if there is one;
+        ``PostgresUnavailable`` if Postgres cannot be asked (not ``None``: that says
+        there is no such request)."""
         blob = await self.archive(request_id)
         return None if blob is None else archive_format.unpack(blob)
 
     async def archive(self, request_id: str) -> bytes | None:
-        async with self.engine.connect() as conn:
+        async with asking(f"archive of {request_id}"), self.engine.connect() as conn:
             return (
                 await conn.execute(
                     select(ArchiveRow.data).where(ArchiveRow.request_id == request_id)
