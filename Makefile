@@ -29,7 +29,10 @@ run: $(STAMP)  ## start everything on http://127.0.0.1:8000 (embedded Redis/Post
 	$(BIN)/lastevent up
 
 test: $(STAMP)  ## the whole test suite (real Redis/Postgres: local ones if they answer, else embedded)
-	$(BIN)/python -m pytest -m "not vllm" -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not vllm and not chaos" -n 2 --dist loadfile $(PYTEST_ARGS)
+
+test-chaos: $(STAMP)  ## the chaos tier: Redis killed, restarted, paused for real (own servers)
+	$(BIN)/python -m pytest -m chaos tests/chaos $(PYTEST_ARGS)
 
 $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
@@ -61,4 +64,4 @@ lint: $(STAMP)  ## the static gates CI runs first: ruff, ruff format, mypy stric
 clean:  ## remove the virtualenv and caches (not the data dir)
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis .cache
 
-.PHONY: help install run test test-vllm bench bench-vllm test-fast lint clean
+.PHONY: help install run test test-chaos test-vllm bench bench-vllm test-fast lint clean

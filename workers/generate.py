@@ -14,7 +14,7 @@ import dataclasses
 import time
 from collections.abc import Mapping
 
-from service.store.log import AppendBatcher
+from service.store.log import AppendBatcher, Owner
 from service.store.queue import Job
 from service.stream.assemble import Assembler
 from service.stream.events import Event
@@ -40,7 +40,7 @@ class Generation:
         self.batcher = batcher
         self.deadline_s = deadline_s
 
-    async def run(self, job: Job, epoch: int, decisions: Mapping[str, State]) -> Outcome:
+    async def run(self, job: Job, owner: Owner, decisions: Mapping[str, State]) -> Outcome:
         """Generate until the engine finishes, a stop string completes, the deadline
         passes, or ``decisions`` gets this request (cancel / abandon: the caller has
         asked the engine to abort, and the tokens it still makes are counted)."""
@@ -70,7 +70,9 @@ class Generation:
                             continue
                         step = asm.step(out.token_ids)
                         if step.events:
-                            await self.batcher.append(rid, epoch, step.events)
+                            await self.batcher.append(
+                                owner, step.events, give_up_at=job.deadline_unix_s
+                            )
                         if step.stopped:  # a stop string completed: free the engine now
                             await self.engine.abort(rid)
                             break

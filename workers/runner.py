@@ -20,7 +20,15 @@ from redis.exceptions import RedisError
 from service.settings import Settings
 from service.store.control import Control
 from service.store.keys import Keys
-from service.store.log import AlreadyEnded, AppendBatcher, Fenced, LogError, RedisLog
+from service.store.log import (
+    AlreadyEnded,
+    AppendBatcher,
+    Fenced,
+    LogError,
+    LogGap,
+    Owner,
+    RedisLog,
+)
 from service.store.queue import Heartbeat, Heartbeats, Job, RequestQueue
 from service.stream.events import Created, End, Summary, encode_summary, summarize
 from service.stream.ids import EventId
@@ -35,6 +43,9 @@ from workers.presence import PresenceWatch
 log = logging.getLogger(__name__)
 
 MAX_CLAIM_BURST = 64  # jobs taken in one queue read
+END_MARGIN_S = 60.0  # a request's end is retried this long past its deadline
+INTERNAL = "the worker failed while serving this request"
+LOG_LOST = "Redis lost part of this request's log (it restarted without all of its data)"
 
 
 class Runner:
@@ -82,6 +93,7 @@ class Runner:
 
     async def _claim_loop(self) -> None:
         slots = asyncio.Semaphore(self.settings.worker_concurrency)
+        lost_reply = True  # at start: jobs a previous run under this id left pending
         while not self._stopping.is_set():
             await slots.acquire()
             taken = 1
@@ -89,11 +101,18 @@ class Runner:
                 await slots.acquire()
                 taken += 1
             try:
-                jobs = await self.queue.read(self.settings.worker_id, count=taken, block_ms=500)
+                jobs = await self.queue.read(
+                    self.settings.worker_id, count=taken, block_ms=500, pending=lost_reply
+                )
+                lost_reply = False
             except Exception:  # Redis trouble, or a job that does not decode
                 jobs = []
                 log.exception("queue read failed")
+                # a read whose reply was lost left its jobs pending under this worker
+                lost_reply = True
                 await asyncio.sleep(0.5)
+            serving = {t.get_name() for t in self._tasks}
+            jobs = [(e, j) for e, j in jobs if j.request_id not in serving][:taken]
             for _ in range(taken - len(jobs)):
                 slots.release()
             for entry_id, job in jobs:
@@ -138,22 +157,22 @@ class Runner:
 
     async def _serve(self, entry_id: bytes, job: Job) -> None:
         rid = job.request_id
-        epoch: int | None = None
+        owner: Owner | None = None
         try:
-            epoch = await self.log.claim(rid, self.settings.worker_id)
-            if epoch is None:  # expired or already ended: nothing to do
+            owner = await self.log.claim(rid, self.settings.worker_id)
+            if owner is None:  # expired or already ended: nothing to do
                 await self.queue.ack(entry_id)
                 return
             dispatched_ms = int(time.time() * 1000)
             first = await self.log.first_with_id(rid)
             self.running.add(rid)
             try:
-                outcome = await self.generation.run(job, epoch, self.decisions)
+                outcome = await self.generation.run(job, owner, self.decisions)
             finally:
                 self.running.discard(rid)
                 self.decisions.pop(rid, None)
                 self.watch.forget(rid)
-            await self._end(rid, epoch, first, outcome, dispatched_ms)
+            await self._end(job, owner, first, outcome, dispatched_ms)
             await self.queue.ack(entry_id)
             took_ms = time.time() * 1000 - dispatched_ms
             self.mean_service_ms = (
@@ -163,22 +182,26 @@ class Runner:
             )
         except Fenced:
             log.warning("request %s was taken over by another worker; stopping", rid)
+        except LogGap as exc:  # Redis lost part of the log: say so in band, and end
+            log.warning("request %s: %s", rid, exc)
+            await self._end_errored(entry_id, job, owner, "log_lost", LOG_LOST)
         except LogError as exc:
             log.warning("request %s: %s", rid, exc)
             await self.queue.ack(entry_id)
         except Exception:
             log.exception("request %s failed in the worker", rid)
-            await self._end_after_crash(entry_id, job, epoch)
+            await self._end_errored(entry_id, job, owner, "internal_error", INTERNAL)
 
     async def _end(
         self,
-        rid: str,
-        epoch: int,
+        job: Job,
+        owner: Owner,
         first: tuple[EventId, Created] | None,
         outcome: Outcome,
         dispatched_ms: int,
     ) -> None:
         """The terminal event, with its waste count and outbox summary, in one append."""
+        rid = job.request_id
         end = outcome.events[-1]
         assert isinstance(end, End)
         delivered: int | None = None
@@ -191,33 +214,43 @@ class Runner:
         WASTED_TOKENS.inc(end.wasted_tokens)
         summary = self._summary(rid, first, end, outcome, dispatched_ms)
         await self.batcher.append(
-            rid,
-            epoch,
+            owner,
             outcome.events,
             terminal_state=end.state,
             ttl_s=self.settings.hot_log_ttl_s,
             summary=encode_summary(summary),
+            give_up_at=self._give_up_at(job),
         )
 
-    async def _end_after_crash(self, entry_id: bytes, job: Job, epoch: int | None) -> None:
-        """A bug, or Redis failing mid-request: end it ``errored`` (``internal_error``)
-        instead of leaving its readers waiting until the safety TTL. Best effort: a few
-        tries, then the request is left to its deadline and TTL."""
+    def _give_up_at(self, job: Job) -> float:
+        """How long the worker keeps trying to end a request through a Redis outage: past
+        its deadline by a margin, so that a deadline ending can still be written."""
+        deadline = job.deadline_unix_s or time.time() + self.settings.request_deadline_s
+        return deadline + END_MARGIN_S
+
+    async def _end_errored(
+        self, entry_id: bytes, job: Job, owner: Owner | None, code: str, message: str
+    ) -> None:
+        """End the request ``errored`` with an in-band error instead of leaving its readers
+        waiting until the safety TTL: a bug, Redis failing mid-request, or a log Redis lost
+        part of. Tries until Redis answers, up to ``_give_up_at``; then the request is left
+        to the sweeper and its TTL."""
         rid = job.request_id
         with contextlib.suppress(Exception):
             await self.engine.abort(rid)
-        for attempt in range(3):
+        backoff = 0.1
+        while True:
             try:
-                if epoch is None:  # it failed before (or while) taking ownership
-                    epoch = await self.log.claim(rid, self.settings.worker_id)
-                    if epoch is None:  # ended or expired meanwhile
+                if owner is None:  # it failed before (or while) taking ownership
+                    owner = await self.log.claim(rid, self.settings.worker_id)
+                    if owner is None:  # ended or expired meanwhile
                         await self.queue.ack(entry_id)
                         return
                 await self.log.end_errored(
                     rid,
-                    epoch,
-                    "internal_error",
-                    "the worker failed while serving this request",
+                    owner.epoch,
+                    code,
+                    message,
                     ttl_s=self.settings.hot_log_ttl_s,
                     worker_id=self.settings.worker_id,
                     prompt_tokens=len(job.prompt_token_ids),
@@ -225,16 +258,16 @@ class Runner:
                 await self.queue.ack(entry_id)
                 return
             except (Fenced, AlreadyEnded):
-                await self.queue.ack(entry_id)
+                with contextlib.suppress(RedisError):
+                    await self.queue.ack(entry_id)
                 return
             except Exception:
-                log.warning(
-                    "could not end request %s after a failure (try %d)",
-                    rid,
-                    attempt + 1,
-                    exc_info=True,
-                )
-                await asyncio.sleep(0.5 * 2**attempt)
+                if time.time() > self._give_up_at(job):
+                    log.exception("giving up ending request %s", rid)
+                    return
+                log.warning("could not end request %s yet (retrying)", rid, exc_info=True)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
 
     def _summary(
         self,

@@ -16,6 +16,8 @@ from litestar.di import Provide
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from service.api.admission import Admission
 from service.api.auth import Authenticator, Principal
@@ -26,9 +28,9 @@ from service.api.routes.completions import CompletionsController
 from service.api.routes.requests import RequestsController
 from service.api.routes.system import SystemController
 from service.api.sweeper import Sweeper
-from service.errors import ApiError
+from service.errors import ApiError, ServiceUnavailable
 from service.ledger.api_keys import ApiKeys
-from service.ledger.ledger import Ledger, make_engine
+from service.ledger.ledger import Ledger, PostgresUnavailable, make_engine
 from service.settings import Settings
 from service.store.control import Control
 from service.store.keys import Keys
@@ -66,6 +68,29 @@ def _http_error(_: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
     kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
     body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
     return Response(body, status_code=status, headers=dict(exc.headers or {}))
+
+
+def _store_unavailable(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    """Redis unreachable (restarting, failing over, loading its data, no free connection):
+    the request was not accepted, and may be sent again."""
+    log.warning("redis unavailable: %s", exc)
+    error = ServiceUnavailable(
+        "the event log is unavailable for a moment; retry",
+        retry_after_s=1,
+        code="store_unavailable",
+    )
+    return _error_response(error)
+
+
+def _ledger_unavailable(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    """Postgres unreachable where a request needed it (an archive, a ledger row)."""
+    log.warning("postgres unavailable: %s", exc)
+    error = ServiceUnavailable(
+        "the ledger is unavailable for a moment; retry",
+        retry_after_s=2,
+        code="ledger_unavailable",
+    )
+    return _error_response(error)
 
 
 def _internal_error(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
@@ -196,6 +221,9 @@ def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
         exception_handlers={
             ApiError: _api_error,
             HTTPException: _http_error,
+            RedisConnectionError: _store_unavailable,
+            RedisTimeoutError: _store_unavailable,
+            PostgresUnavailable: _ledger_unavailable,
             Exception: _internal_error,
         },
         lifespan=[lifespan],

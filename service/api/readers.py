@@ -9,15 +9,24 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import msgspec
+
 from service.api.admission import who
 from service.api.context import Context
 from service.api.metrics import READERS
 from service.store.presence import Lease
-from service.store.tail import IDLE, Batch, Interrupted, Subscription
+from service.store.tail import IDLE, Batch, Interrupted, LogLost, Subscription
 from service.stream import sse
-from service.stream.events import Created, Delta, End, Event
+from service.stream.events import Created, Delta, End, Error, Event
 from service.stream.ids import Cursor, EventId
-from service.stream.render import ChunkRenderer, ResponseAggregate, coalesce, sse_event_frames
+from service.stream.lifecycle import State
+from service.stream.render import (
+    ChunkRenderer,
+    ResponseAggregate,
+    coalesce,
+    error_object,
+    sse_event_frames,
+)
 
 
 def _before(cursor: Cursor | None) -> EventId | None:
@@ -69,6 +78,9 @@ async def sse_frames(
             if isinstance(batch, Interrupted):  # shutting down: reconnect elsewhere
                 yield sse.retry(ctx.settings.reconnect_hint_ms)
                 return
+            if isinstance(batch, LogLost):  # an error in band, never pings for ever
+                yield sse.frame(msgspec.json.encode(error_object(LOG_LOST)))
+                return
             if isinstance(batch, BaseException):
                 raise batch
             if sub.queue.qsize() >= ctx.settings.coalesce_backlog:
@@ -116,6 +128,21 @@ def _frames(
     return b"".join(out), delivered, False
 
 
+LOG_LOST = Error(
+    code="log_lost",
+    message="the request's log was lost (Redis restarted without its data); send it again",
+)
+
+
+async def _until_lost(sub: Subscription) -> AsyncIterator[Batch]:
+    """The subscription's batches; a lost log ends it with an error and an ``errored`` end."""
+    try:
+        async for batch in sub.batches():
+            yield batch
+    except LogLost:
+        yield [(EventId(0, 0), LOG_LOST), (EventId(0, 0), End(str(State.ERRORED), None, 0, 0))]
+
+
 async def collect(ctx: Context, rid: str, created: Created, lease: Lease) -> ResponseAggregate:
     """Wait for the whole answer (a non-streaming client, holding ``lease`` meanwhile)."""
     agg = ResponseAggregate(rid, created)
@@ -123,7 +150,7 @@ async def collect(ctx: Context, rid: str, created: Created, lease: Lease) -> Res
     sub = ctx.tailer.subscribe(rid, None)
     READERS.inc()
     try:
-        async for batch in sub.batches():
+        async for batch in _until_lost(sub):
             for _eid, event in batch:
                 agg.add(event)
                 if isinstance(event, End):

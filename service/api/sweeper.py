@@ -66,13 +66,13 @@ class Sweeper:
         return swept
 
     async def _fail(self, rid: str, worker: str) -> None:
-        epoch = await self.log.claim(rid, self.sweeper_id)
-        if epoch is None:  # it ended after all, or expired
+        owner = await self.log.claim(rid, self.sweeper_id)
+        if owner is None:  # it ended after all, or expired
             return
         message = f"the worker running this request ({worker}) stopped responding"
         try:
             await self.log.end_errored(
-                rid, epoch, "worker_lost", message, ttl_s=self.hot_log_ttl_s, worker_id=worker
+                rid, owner.epoch, "worker_lost", message, ttl_s=self.hot_log_ttl_s, worker_id=worker
             )
             log.warning("request %s: worker %s lost; ended errored", rid, worker)
         except LogError as exc:

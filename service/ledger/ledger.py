@@ -185,9 +185,9 @@ class Ledger:
     async def check(self) -> str:
         """``"ok"`` if Postgres answers, else what went wrong (``/readyz``)."""
         try:
-            async with self.engine.connect() as conn:
+            async with asking("readiness"), self.engine.connect() as conn:
                 await conn.execute(text("SELECT 1"))
-        except (SQLAlchemyError, OSError) as exc:
+        except (PostgresUnavailable, SQLAlchemyError, OSError) as exc:
             return f"error: {exc}"
         return "ok"
 

@@ -16,7 +16,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from service.store import replies, scripts
 from service.store.keys import EVENT_FIELD, Keys
@@ -37,6 +39,11 @@ class AlreadyEnded(LogError):
     """The request already has its terminal event."""
 
 
+class LogGap(LogError):
+    """The log does not hold what its owner wrote: Redis lost data (a restart without
+    persistence, or the last second of an AOF ``everysec``)."""
+
+
 class RequestExists(LogError):
     """A log with this request id already exists."""
 
@@ -54,6 +61,8 @@ def _map_error(exc: ResponseError) -> LogError | ResponseError:
         return Fenced(text)
     if text.startswith("ENDED"):
         return AlreadyEnded(text)
+    if text.startswith("GAP"):
+        return LogGap(text)
     if text.startswith("EXISTS"):
         return RequestExists(text)
     return exc
@@ -110,10 +119,14 @@ class RedisLog:
             raise _map_error(exc) from None
         return _decode_id(raw)
 
-    async def claim(self, request_id: str, worker_id: str) -> int | None:
-        """Become the owner; ``None`` if the request is unknown or already ended."""
-        epoch = int(await self._claim(keys=[self.keys.meta(request_id)], args=[worker_id]))
-        return epoch if epoch > 0 else None
+    async def claim(self, request_id: str, worker_id: str) -> Owner | None:
+        """Become the owner; ``None`` if the request is unknown or already ended. The same
+        worker claiming again (a retry after a lost reply) keeps its epoch."""
+        raw = await self._claim(keys=[self.keys.meta(request_id)], args=[worker_id])
+        epoch = replies.integer(raw[0])
+        if epoch <= 0:
+            return None
+        return Owner(request_id, epoch, replies.integer(raw[1]))
 
     async def append(
         self,
@@ -124,9 +137,11 @@ class RedisLog:
         terminal_state: str = "",
         ttl_s: int = 0,
         summary: bytes = b"",
+        expect: int | None = None,
     ) -> list[EventId]:
+        """``expect``: the entries the log must hold before these (``None``: no check)."""
         [result] = await self.append_many(
-            [Append(request_id, epoch, events, terminal_state, ttl_s, summary)]
+            [Append(request_id, epoch, events, terminal_state, ttl_s, summary, expect)]
         )
         if isinstance(result, LogError):
             raise result
@@ -134,8 +149,9 @@ class RedisLog:
 
     async def append_many(self, items: Sequence[Append]) -> list[list[EventId] | LogError]:
         """All of ``items`` in one script call (one round trip, one Redis command); each
-        gets its entry ids, or ``Fenced`` / ``AlreadyEnded`` (that one is not written).
-        Connection errors raise for all."""
+        gets its entry ids, or ``Fenced`` / ``AlreadyEnded`` / ``LogGap`` (that one is not
+        written). Connection errors raise for all; the same items sent again are not
+        written twice where they carry ``expect``."""
         keys: list[str] = [self.keys.outbox]
         args: list[bytes | str | int] = []
         for item in items:
@@ -148,6 +164,7 @@ class RedisLog:
             ]
             args += [
                 str(item.epoch),
+                "" if item.expect is None else item.expect,
                 item.terminal_state,
                 item.ttl_s,
                 item.summary,
@@ -269,18 +286,35 @@ class Append:
     terminal_state: str = ""
     ttl_s: int = 0
     summary: bytes = b""
+    expect: int | None = None  # entries the log holds before these (None: no check)
+
+
+@dataclasses.dataclass(slots=True)
+class Owner:
+    """A claimed request: the epoch that fences its appends, and how many entries its log
+    holds (where the owner's next append must start: a retried append is not doubled)."""
+
+    request_id: str
+    epoch: int
+    events: int
 
 
 class AppendBatcher:
-    """Group commit for a worker's appends: one script call per flush."""
+    """Group commit for a worker's appends: one script call per flush.
 
-    def __init__(self, log: RedisLog) -> None:
+    While Redis cannot be reached (a restart, a failover), a flush is sent again with
+    backoff until each append's ``give_up_at``; the appends carry their owner's position,
+    so one whose reply was lost is not written twice."""
+
+    def __init__(self, log: RedisLog, *, max_backoff_s: float = 1.0) -> None:
         self._log = log
-        self._pending: list[tuple[Append, asyncio.Future[list[EventId]]]] = []
+        self._pending: list[tuple[Append, Owner, float, asyncio.Future[list[EventId]]]] = []
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._max_backoff_s = max_backoff_s
         self.round_trips = 0  # for tests and metrics: flushes sent
         self.appends = 0
+        self.retries = 0  # flushes sent again after a connection failure
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="append-batcher")
@@ -292,44 +326,70 @@ class AppendBatcher:
 
     async def append(
         self,
-        request_id: str,
-        epoch: int,
+        owner: Owner,
         events: Sequence[ev.Event],
         *,
         terminal_state: str = "",
         ttl_s: int = 0,
         summary: bytes = b"",
+        give_up_at: float = 0.0,
     ) -> list[EventId]:
+        """Append at ``owner``'s position; ``give_up_at`` (unix s): keep trying through a
+        Redis outage until then (0: fail on the first connection error)."""
         future: asyncio.Future[list[EventId]] = asyncio.get_running_loop().create_future()
-        item = Append(request_id, epoch, events, terminal_state, ttl_s, summary)
-        self._pending.append((item, future))
+        item = Append(
+            owner.request_id, owner.epoch, events, terminal_state, ttl_s, summary, owner.events
+        )
+        self._pending.append((item, owner, give_up_at, future))
         self._wakeup.set()
         return await future
 
     async def _run(self) -> None:
+        backoff = 0.05
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
             # let every task that is ready in this loop iteration add its step first
             await asyncio.sleep(0)
             batch, self._pending = self._pending, []
-            if batch:
-                await self._flush(batch)
+            if not batch:
+                continue
+            retry = await self._flush(batch)
+            if retry:
+                self._pending[:0] = retry  # first in the next flush, in their order
+                self._wakeup.set()
+                self.retries += 1
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self._max_backoff_s)
+            else:
+                backoff = 0.05
 
-    async def _flush(self, batch: list[tuple[Append, asyncio.Future[list[EventId]]]]) -> None:
+    async def _flush(
+        self, batch: list[tuple[Append, Owner, float, asyncio.Future[list[EventId]]]]
+    ) -> list[tuple[Append, Owner, float, asyncio.Future[list[EventId]]]]:
+        """Send ``batch``; returns what must be sent again (Redis unreachable)."""
+        batch = [entry for entry in batch if not entry[3].done()]  # callers that gave up
         try:
-            results = await self._log.append_many([item for item, _ in batch])
+            results = await self._log.append_many([item for item, *_ in batch])
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            now = time.time()
+            retry = []
+            for entry in batch:
+                if entry[2] > now:
+                    retry.append(entry)
+                else:
+                    entry[3].set_exception(exc)
+            return retry
         except Exception as exc:  # noqa: BLE001 - every caller of this flush gets it raised
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(exc)
-            return
+            for *_, future in batch:
+                future.set_exception(exc)
+            return []
         self.round_trips += 1
         self.appends += len(batch)
-        for (_, future), result in zip(batch, results, strict=True):
-            if future.done():
-                continue
+        for (item, owner, _, future), result in zip(batch, results, strict=True):
             if isinstance(result, LogError):
                 future.set_exception(result)
             else:
+                owner.events += len(item.events)
                 future.set_result(result)
+        return []

@@ -42,13 +42,19 @@ class Outbox:
     async def read(self, consumer: str, count: int, *, pending: bool, block_ms: int) -> list[Entry]:
         """``pending``: this consumer's own unacked entries, oldest first (no wait);
         otherwise new entries, waiting up to ``block_ms`` for one."""
-        reply: Any = await self.redis.xreadgroup(
-            RECORDER_GROUP,
-            consumer,
-            {self.keys.outbox: "0" if pending else ">"},
-            count=count,
-            block=None if pending else block_ms,
-        )
+        try:
+            reply: Any = await self.redis.xreadgroup(
+                RECORDER_GROUP,
+                consumer,
+                {self.keys.outbox: "0" if pending else ">"},
+                count=count,
+                block=None if pending else block_ms,
+            )
+        except ResponseError as exc:  # Redis lost the group (restarted without its data)
+            if "NOGROUP" not in str(exc):
+                raise
+            await self.ensure_group()
+            return []
         return [_entry(eid, fields) for _key, items in reply or [] for eid, fields in items]
 
     async def claim_idle(self, consumer: str, min_idle_ms: int, count: int) -> int:

@@ -17,7 +17,11 @@ from importlib.metadata import version
 from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
 @functools.cache
@@ -29,8 +33,19 @@ def _driver_info() -> dict[str, Any]:
     return {"driver_info": DriverInfo(name="redis-py", lib_version=version("redis"))}
 
 
+def _retry() -> dict[str, Any]:
+    """A command whose connection died (Redis restarted: every pooled connection is dead)
+    is sent again on a new one, a few times within a fraction of a second. Longer outages
+    are the callers' to ride out (the worker's batcher; the API answers 503). Safe: the
+    scripts that write are idempotent (``create``, ``claim``, ``append`` by position)."""
+    return {
+        "retry": Retry(ExponentialBackoff(cap=0.25, base=0.02), retries=3),
+        "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+    }
+
+
 def connect(url: str, max_connections: int, *, wait_s: float = 30.0, **kwargs: Any) -> Redis:
-    kwargs = {**_driver_info(), **kwargs}
+    kwargs = {**_driver_info(), **_retry(), **kwargs}
     pool = BlockingConnectionPool.from_url(
         url, max_connections=max_connections, timeout=wait_s, **kwargs
     )

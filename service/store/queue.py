@@ -79,14 +79,28 @@ class RequestQueue:
         entry_id: Any = await self.redis.xadd(self.keys.queue, {JOB_FIELD: encode_job(job)})
         return bytes(entry_id)
 
-    async def read(self, consumer: str, count: int, block_ms: int) -> list[tuple[bytes, Job]]:
-        reply: Any = await self.redis.xreadgroup(
-            QUEUE_GROUP, consumer, {self.keys.queue: ">"}, count=count, block=block_ms
-        )
+    async def read(
+        self, consumer: str, count: int, block_ms: int, *, pending: bool = False
+    ) -> list[tuple[bytes, Job]]:
+        """New jobs for ``consumer`` (waiting up to ``block_ms``), or with ``pending`` the
+        ones it was handed before and never acked (a reply lost to a connection failure).
+        A group Redis lost (restarted without its data) is made again."""
+        streams: dict[Any, Any] = {self.keys.queue: "0" if pending else ">"}
+        block = None if pending else block_ms
+        try:
+            reply: Any = await self.redis.xreadgroup(
+                QUEUE_GROUP, consumer, streams, count=count, block=block
+            )
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            await self.ensure_group()
+            return []
         out: list[tuple[bytes, Job]] = []
         for _key, entries in reply or []:
             for entry_id, fields in entries:
-                out.append((entry_id, _dec.decode(fields[JOB_FIELD])))
+                if fields:  # a pending entry trimmed meanwhile has none
+                    out.append((entry_id, _dec.decode(fields[JOB_FIELD])))
         return out
 
     async def ack(self, entry_id: bytes) -> None:

@@ -49,6 +49,11 @@ class Idle(Exception):
 IDLE = Idle()
 
 
+class LogLost(Exception):
+    """Put in a reader's queue when the log it follows no longer exists although the
+    request never ended in it: Redis lost it (a restart without persistence)."""
+
+
 class Mailbox:
     """An unbounded queue for one consumer: what ``asyncio.Queue`` does for a reader,
     without its four deques (~1.8 KiB per open stream, measured with tracemalloc)."""
@@ -186,15 +191,38 @@ class LogTailer:
 
     async def _tick(self, every_s: float) -> None:
         """``IDLE`` to each interruptible reader that got nothing for ``every_s``
-        (checked every quarter of it: a keepalive is late by at most that)."""
+        (checked every quarter of it: a keepalive is late by at most that). The logs of
+        such idle readers are checked to still exist: one that Redis lost (it restarted
+        without its data) gets ``LogLost`` to all of its readers, instead of pings for ever."""
         while True:
             await asyncio.sleep(every_s / 4)
             due = time.monotonic() - every_s
+            idle: dict[str, set[Subscription]] = {}
             for shard in self._shards:
-                for subs in shard.subs.values():
+                for key, subs in shard.subs.items():
+                    if any(sub.queue.last_put <= due for sub in subs):
+                        idle[key] = subs
                     for sub in subs:
                         if sub.interruptible and sub.queue.last_put <= due:
                             sub.queue.put_nowait(IDLE)
+            if idle:
+                await self._check_exist(idle)
+
+    async def _check_exist(self, idle: dict[str, set[Subscription]]) -> None:
+        keys = list(idle)
+        try:
+            pipe = self._redis.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(key)
+            found = await pipe.execute()
+        except RedisError as exc:  # Redis away: the next tick asks again
+            log.warning("cannot check followed logs: %s", exc)
+            return
+        for key, exists in zip(keys, found, strict=True):
+            if not exists:
+                lost = LogLost(f"the log {key} is gone: Redis lost it")
+                for sub in list(idle[key]):
+                    sub.queue.put_nowait(lost)
 
     def subscribe(
         self, request_id: str, after: EventId | None = None, *, interruptible: bool = False

@@ -73,6 +73,7 @@ class Meta(enum.StrEnum):
     DETACHED = "detached"  # "1": runs with no reader at all
     GONE_MS = "gone_ms"  # when the last reader left (unset while one is connected)
     DELIVERED = "delivered"  # the most completion tokens any reader's connection was sent
+    EVENTS = "events"  # entries in the log: where the next append must start (idempotence)
 
 
 def lua_prelude() -> str:

@@ -313,12 +313,6 @@ def test_verified_keys_outlive_a_stopped_postgres(
         assert back.status_code == 200 and back.json()["state"] == "finished"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="service/api/routes/requests.py _archived calls ctx.ledger.archived, which raises "
-    "PostgresUnavailable (the ledger may not import service.errors): it needs "
-    "service.api.status.archived (or an app-level handler for PostgresUnavailable) to be a 503",
-)
 def test_the_archive_fallback_is_503_while_postgres_is_down(
     stack: Stack, pg: EmbeddedPostgres, db_url: str
 ) -> None:

@@ -25,6 +25,8 @@ from service.store.log import (
     Append,
     AppendBatcher,
     Fenced,
+    LogGap,
+    Owner,
     RedisLog,
     RequestExists,
 )
@@ -81,11 +83,13 @@ async def batcher(rlog: RedisLog) -> AsyncIterator[AppendBatcher]:
     await b.close()
 
 
-async def new_request(rlog: RedisLog) -> tuple[str, int]:
+async def new_request(rlog: RedisLog) -> tuple[str, Owner]:
+    """A created request claimed by w1: its id and its owner (epoch 1)."""
     request_id = rid()
     await rlog.create(request_id, created(), 600)
-    assert await rlog.claim(request_id, "w1") == 1
-    return request_id, 1
+    owner = await rlog.claim(request_id, "w1")
+    assert owner is not None and owner.epoch == 1 and owner.events == 1
+    return request_id, owner
 
 
 async def collect(sub: Subscription, n: int, timeout: float = 5.0) -> Batch:
@@ -143,8 +147,11 @@ async def test_create_writes_created_first_with_ttls(rlog: RedisLog, redis: Redi
     assert (meta.state, meta.epoch, meta.owner, meta.last_event_id) == ("queued", 0, None, str(eid))
     for key in (keys.log(request_id), keys.meta(request_id)):
         assert 0 < await redis.ttl(key) <= 600
+    # the same call again (a retry after a lost reply) writes nothing and answers the same id
+    assert await rlog.create(request_id, created(), 600) == eid
+    other = ev.Created(kind="text", model="m", created=CREATED_AT, prompt_tokens=9)
     with pytest.raises(RequestExists):
-        await rlog.create(request_id, created(), 600)
+        await rlog.create(request_id, other, 600)
     assert await redis.xlen(keys.log(request_id)) == 1
 
 
@@ -178,8 +185,8 @@ async def test_create_writes_lease_and_job_in_the_same_step(
 async def test_fencing_takeover_and_terminal(rlog: RedisLog, redis: Redis, keys: Keys):
     request_id = rid()
     created_id = await rlog.create(request_id, created(), 600)
-    assert await rlog.claim(request_id, "w1") == 1
-    assert await rlog.claim(request_id, "w2") == 2  # takeover fences w1 out
+    assert (await rlog.claim(request_id, "w1")).epoch == 1  # type: ignore[union-attr]
+    assert (await rlog.claim(request_id, "w2")).epoch == 2  # type: ignore[union-attr]  # takeover fences w1 out
     meta = await rlog.meta(request_id)
     assert meta is not None and (meta.state, meta.epoch, meta.owner) == ("running", 2, "w2")
 
@@ -218,7 +225,9 @@ async def test_terminal_append_right_sizes_the_log(
     same entries, same ids, TTL set, a reader blocked on the key still woken."""
     request_id, epoch = await new_request(rlog)
     for i in range(98):  # one token per step, the shape of a bench answer: 100 entries in all
-        await rlog.append(request_id, epoch, [ev.Delta(text=f" w{i}", token_ids=[12345], n=i + 1)])
+        await rlog.append(
+            request_id, epoch.epoch, [ev.Delta(text=f" w{i}", token_ids=[12345], n=i + 1)]
+        )
     before = await redis.memory_usage(keys.log(request_id), samples=0)
     entries_before = await rlog.read(request_id)
     tailer = LogTailer(tail_client[0], keys, block_ms=10_000)
@@ -226,7 +235,7 @@ async def test_terminal_append_right_sizes_the_log(
     try:
         sub = tailer.subscribe(request_id, entries_before[-1][0])
         await until_blocked(tailer, redis, tail_client[1])  # blocked on the log now
-        await rlog.append(request_id, epoch, [END], terminal_state="finished", ttl_s=60)
+        await rlog.append(request_id, epoch.epoch, [END], terminal_state="finished", ttl_s=60)
         woken = await collect(sub, 1)
     finally:
         await tailer.stop()
@@ -244,15 +253,15 @@ async def test_append_many_fences_each_request_on_its_own(rlog: RedisLog):
     others in the same call are written."""
     ok, ok_epoch = await new_request(rlog)
     taken, _ = await new_request(rlog)
-    assert await rlog.claim(taken, "w2") == 2  # another worker took it over
+    assert (await rlog.claim(taken, "w2")).epoch == 2  # type: ignore[union-attr]  # another worker took it over
     done, done_epoch = await new_request(rlog)
-    await rlog.append(done, done_epoch, [END], terminal_state="finished", ttl_s=60)
+    await rlog.append(done, done_epoch.epoch, [END], terminal_state="finished", ttl_s=60)
     results = await rlog.append_many(
         [
             Append(taken, 1, [delta(1)]),
-            Append(ok, ok_epoch, [delta(1), delta(2)]),
-            Append(done, done_epoch, [delta(3)]),
-            Append(ok, ok_epoch, [END], terminal_state="finished", ttl_s=60),
+            Append(ok, ok_epoch.epoch, [delta(1), delta(2)]),
+            Append(done, done_epoch.epoch, [delta(3)]),
+            Append(ok, ok_epoch.epoch, [END], terminal_state="finished", ttl_s=60),
         ]
     )
     assert isinstance(results[0], Fenced) and isinstance(results[2], AlreadyEnded)
@@ -265,12 +274,12 @@ async def test_append_many_fences_each_request_on_its_own(rlog: RedisLog):
 async def test_batcher_one_round_trip_per_step(rlog: RedisLog, batcher: AppendBatcher):
     requests = [await new_request(rlog) for _ in range(20)]
     fenced_id = requests[7][0]
-    assert await rlog.claim(fenced_id, "w2") == 2  # epoch 1 is stale now
+    assert (await rlog.claim(fenced_id, "w2")).epoch == 2  # type: ignore[union-attr]  # epoch 1 is stale now
 
     seen: dict[str, list[EventId]] = {r: [] for r, _ in requests}
     for step in range(2):
         results = await asyncio.gather(
-            *(batcher.append(r, e, [delta(3 * step + i) for i in range(3)]) for r, e in requests),
+            *(batcher.append(e, [delta(3 * step + i) for i in range(3)]) for r, e in requests),
             return_exceptions=True,
         )
         assert batcher.round_trips == step + 1
@@ -307,9 +316,9 @@ async def test_batcher_flush_is_one_network_round_trip(redis_url: str, redis: Re
     batcher.start()
     try:
         requests = [await new_request(rlog) for _ in range(5)]
-        await asyncio.gather(*(batcher.append(r, e, [delta(0)]) for r, e in requests))  # warm
+        await asyncio.gather(*(batcher.append(e, [delta(0)]) for r, e in requests))  # warm
         before = CountingConnection.writes
-        await asyncio.gather(*(batcher.append(r, e, [delta(1)]) for r, e in requests))
+        await asyncio.gather(*(batcher.append(e, [delta(1)]) for r, e in requests))
         assert batcher.round_trips == 2
         assert CountingConnection.writes - before == 1
     finally:
@@ -321,17 +330,17 @@ async def test_batcher_survives_script_flush(
     rlog: RedisLog, batcher: AppendBatcher, redis_url: str
 ):
     request_id, epoch = await new_request(rlog)
-    first = await batcher.append(request_id, epoch, [delta(1)])
+    first = await batcher.append(epoch, [delta(1)])
     admin = Redis.from_url(redis_url)
     try:
         await admin.script_flush()
         assert await admin.script_exists(rlog._append.sha) == [False]
-        second = await batcher.append(request_id, epoch, [delta(2)])
+        second = await batcher.append(epoch, [delta(2)])
         assert await admin.script_exists(rlog._append.sha) == [True]
     finally:
         await admin.aclose()
     assert first[0] < second[0]
-    assert await rlog.claim(request_id, "w2") == 2  # the plain Script path reloads too
+    assert (await rlog.claim(request_id, "w2")).epoch == 2  # type: ignore[union-attr]  # the plain Script path reloads too
     assert [e for _, e in await rlog.read(request_id)] == [created(), delta(1), delta(2)]
 
 
@@ -364,7 +373,8 @@ async def test_tailer_multiplexes_many_readers(
 ):
     requests = [await new_request(rlog) for _ in range(50)]
     shared, shared_epoch = await new_request(rlog)
-    second_id = (await rlog.append(shared, shared_epoch, [delta(0)]))[0]
+    second_id = (await rlog.append(shared, shared_epoch.epoch, [delta(0)]))[0]
+    shared_epoch.events += 1  # written around the batcher: where its next append starts
 
     subs = [(r, tailer.subscribe(r), 10) for r, _ in requests]  # Created + 8 deltas + End
     subs.append((shared, tailer.subscribe(shared), 11))
@@ -381,10 +391,10 @@ async def test_tailer_multiplexes_many_readers(
     everyone = [*requests, (shared, shared_epoch)]
     for step in range(4):  # a burst of 4 engine steps, 2 deltas each, then the ends
         await asyncio.gather(
-            *(batcher.append(r, e, [delta(2 * step + 1), delta(2 * step + 2)]) for r, e in everyone)
+            *(batcher.append(e, [delta(2 * step + 1), delta(2 * step + 2)]) for r, e in everyone)
         )
     await asyncio.gather(
-        *(batcher.append(r, e, [END], terminal_state="finished", ttl_s=60) for r, e in everyone)
+        *(batcher.append(e, [END], terminal_state="finished", ttl_s=60) for r, e in everyone)
     )
 
     rests = await asyncio.gather(
@@ -418,9 +428,9 @@ async def test_tailer_shards_logs_and_reuses_room(
         subs = [tailer.subscribe(r) for r, _ in requests]
         twin = tailer.subscribe(requests[0][0])
         assert tailer.shards == 3 and tailer.subscriptions == 21
-        for r, e in requests:
-            await batcher.append(r, e, [delta(1)])
-            await batcher.append(r, e, [END], terminal_state="finished", ttl_s=60)
+        for _r, e in requests:
+            await batcher.append(e, [delta(1)])
+            await batcher.append(e, [END], terminal_state="finished", ttl_s=60)
         got = await asyncio.wait_for(asyncio.gather(*(collect(s, 3) for s in [*subs, twin])), 5)
         for (r, _), events in zip([*requests, requests[0]], got, strict=True):
             assert events == await rlog.read(r)
@@ -450,7 +460,7 @@ async def test_tailer_late_subscriber_from_start_gets_no_gap(
     reader's position. It must not be handed to it (regression: it was, a gap).
     """
     request_id, epoch = await new_request(rlog)
-    await rlog.append(request_id, epoch, [delta(1)])
+    await rlog.append(request_id, epoch.epoch, [delta(1)])
     first = tailer.subscribe(request_id)
     assert len(await collect(first, 2)) == 2
     # the tailer is blocked again, reading this log after delta(1)
@@ -481,7 +491,7 @@ async def test_tailer_survives_dropped_connection(
     requests = [await new_request(rlog) for _ in range(3)]
     subs = [tailer.subscribe(r) for r, _ in requests]
     for (r, e), sub in zip(requests, subs, strict=True):
-        await rlog.append(r, e, [delta(1)])
+        await rlog.append(r, e.epoch, [delta(1)])
         assert len(await collect(sub, 2)) == 2
 
     name = tail_client[1]
@@ -490,7 +500,7 @@ async def test_tailer_survives_dropped_connection(
     assert await redis.client_kill_filter(_id=blocked[0]["id"]) == 1
 
     for r, e in requests:  # appended while the tailer reconnects: nothing may be lost
-        await rlog.append(r, e, [delta(2), delta(3)])
+        await rlog.append(r, e.epoch, [delta(2), delta(3)])
     for (r, _), sub in zip(requests, subs, strict=True):
         got = await collect(sub, 2)
         assert [e for _, e in got] == [delta(2), delta(3)]
@@ -499,7 +509,7 @@ async def test_tailer_survives_dropped_connection(
     again = await until_blocked(tailer, redis, name)  # on a new connection
     assert len(again) == 1 and again[0]["id"] != blocked[0]["id"]
     for (r, e), sub in zip(requests, subs, strict=True):
-        await rlog.append(r, e, [END], terminal_state="finished", ttl_s=60)
+        await rlog.append(r, e.epoch, [END], terminal_state="finished", ttl_s=60)
         assert [e for _, e in await collect(sub, 1)] == [END]
 
 
@@ -555,9 +565,11 @@ async def test_terminal_append_without_events_points_the_outbox_at_the_last_entr
     rlog: RedisLog, redis: Redis, keys: Keys
 ):
     request_id, epoch = await new_request(rlog)
-    [last_id] = await rlog.append(request_id, epoch, [delta(1)])
+    [last_id] = await rlog.append(request_id, epoch.epoch, [delta(1)])
     assert (
-        await rlog.append(request_id, epoch, [], terminal_state="cancelled", ttl_s=60, summary=b"s")
+        await rlog.append(
+            request_id, epoch.epoch, [], terminal_state="cancelled", ttl_s=60, summary=b"s"
+        )
         == []
     )
     [(_, fields)] = await redis.xrange(keys.outbox, count=1)
@@ -581,3 +593,49 @@ async def test_a_lease_that_could_not_be_written_is_not_kept(redis: Redis, keys:
     with pytest.raises(ConnectionError):
         await presence.acquire(rid())
     assert len(presence) == 0
+
+
+# -- retries after a lost reply -----------------------------------------------------------
+
+
+async def test_an_append_sent_twice_is_written_once(rlog: RedisLog):
+    """A flush whose reply was lost (Redis restarted, a connection reset) is sent again
+    with the same position: the second call answers the first call's ids."""
+    request_id, owner = await new_request(rlog)
+    first = await rlog.append(request_id, owner.epoch, [delta(1), delta(2)], expect=1)
+    again = await rlog.append(request_id, owner.epoch, [delta(1), delta(2)], expect=1)
+    assert again == first
+    end = [END]
+    ended = await rlog.append(
+        request_id, owner.epoch, end, terminal_state="finished", ttl_s=60, summary=b"s", expect=3
+    )
+    repeated = await rlog.append(
+        request_id, owner.epoch, end, terminal_state="finished", ttl_s=60, summary=b"s", expect=3
+    )
+    assert repeated == ended
+    assert [e for _, e in await rlog.read(request_id)] == [created(), delta(1), delta(2), END]
+    assert await rlog.redis.xlen(rlog.keys.outbox) == 1  # one outbox entry, not two
+
+
+async def test_an_append_after_lost_entries_is_refused(rlog: RedisLog):
+    """The log holds fewer entries than its owner wrote (Redis lost the tail): the
+    owner is told, nothing is written after the hole."""
+    request_id, owner = await new_request(rlog)
+    with pytest.raises(LogGap):
+        await rlog.append(request_id, owner.epoch, [delta(5)], expect=4)
+    assert [e for _, e in await rlog.read(request_id)] == [created()]
+
+
+async def test_a_claim_sent_twice_keeps_the_epoch(rlog: RedisLog):
+    request_id, owner = await new_request(rlog)
+    again = await rlog.claim(request_id, "w1")  # w1's claim again: its reply was lost
+    assert again is not None and again.epoch == owner.epoch
+    taken = await rlog.claim(request_id, "w2")
+    assert taken is not None and taken.epoch == owner.epoch + 1
+
+
+async def test_the_batcher_counts_where_the_log_is(rlog: RedisLog, batcher: AppendBatcher):
+    request_id, owner = await new_request(rlog)
+    await batcher.append(owner, [delta(1)])
+    await batcher.append(owner, [delta(2), delta(3)])
+    assert owner.events == 4 == await rlog.redis.xlen(rlog.keys.log(request_id))

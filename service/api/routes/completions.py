@@ -71,6 +71,8 @@ async def _answer(
     if agg.end is not None and agg.end.state == State.ERRORED:
         err = agg.error
         content = error_object(err) if err else ApiError("the request failed").body()
+        if err is not None and err.code == "log_lost":  # nothing ran to its end: send again
+            return Response(content, status_code=503, headers={**headers, "Retry-After": "1"})
         return Response(content, status_code=500, headers=headers)
     return Response(agg.response(), headers=headers)
 

@@ -1,27 +1,41 @@
 -- Fenced appends for one or many requests in one call (a worker's whole flush: one
 -- engine step of every request it runs). For each request, XADD its events only if the
--- caller still owns it; the terminal event and its outbox entry go together or not at all.
+-- caller still owns it and the log is where the caller thinks it is; the terminal event
+-- and its outbox entry go together or not at all.
 -- KEYS[1] outbox; then per request: meta, log, readers (dropped at the terminal event),
 -- scratch (the finished log is copied there and renamed back: see below)
--- ARGV, per request: owner epoch, terminal state ('' if not terminal), TTL in seconds
--- applied to its keys when terminal, encoded Summary for the outbox ('' if none),
--- number of events n, then the n encoded events
+-- ARGV, per request: owner epoch, expected entries in the log before these ('' to not
+-- check), terminal state ('' if not terminal), TTL in seconds applied to its keys when
+-- terminal, encoded Summary for the outbox ('' if none), number of events n, the n events
 -- Returns one array per request: {'OK', <entry id>...}, or {'FENCED ...'} (not the
--- owner) / {'ENDED ...'} (already terminal), which leave that request untouched.
+-- owner) / {'ENDED ...'} (already terminal) / {'GAP ...'} (the log does not hold what the
+-- caller wrote: Redis lost data), which leave that request untouched. The same append
+-- sent again (its reply was lost) is not written twice: it answers the ids it got.
 local out = {}
 local a, k = 1, 2
 while a <= #ARGV do
-  local epoch, terminal, ttl, summary = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
-  local first = a + 5
-  local last = first + tonumber(ARGV[a + 4]) - 1
+  local epoch, expect, terminal = ARGV[a], ARGV[a + 1], ARGV[a + 2]
+  local ttl, summary = ARGV[a + 3], ARGV[a + 4]
+  local n = tonumber(ARGV[a + 5])
+  local first = a + 6
+  local last = first + n - 1
   local meta_key, log_key, readers_key, scratch_key = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
   a, k = last + 1, k + 4
-  local meta = redis.call('HMGET', meta_key, M.epoch, M.state)
+  local meta = redis.call('HMGET', meta_key, M.epoch, M.state, M.events)
   local state = meta[2]
+  local have = tonumber(meta[3] or '0')
   if meta[1] ~= epoch then
     out[#out + 1] = {'FENCED owner epoch is ' .. tostring(meta[1]) .. ', not ' .. epoch}
+  elseif expect ~= '' and have == tonumber(expect) + n and n > 0 then
+    -- already written by this very call: answer its ids again
+    local ids = {'OK'}
+    local written = redis.call('XREVRANGE', log_key, '+', '-', 'COUNT', n)
+    for i = #written, 1, -1 do ids[#ids + 1] = written[i][1] end
+    out[#out + 1] = ids
   elseif TERMINAL[state] then
     out[#out + 1] = {'ENDED request already ' .. state}
+  elseif expect ~= '' and have ~= tonumber(expect) then
+    out[#out + 1] = {'GAP the log holds ' .. have .. ' entries, not ' .. expect}
   else
     local ids = {'OK'}
     for i = first, last do
@@ -29,6 +43,7 @@ while a <= #ARGV do
     end
     if #ids > 1 then
       redis.call('HSET', meta_key, M.last, ids[#ids])
+      redis.call('HINCRBY', meta_key, M.events, #ids - 1)
     end
     if terminal ~= '' then
       redis.call('DEL', readers_key)

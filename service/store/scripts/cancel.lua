@@ -14,6 +14,7 @@ end
 if state == S.QUEUED and m[2] == '0' then
   local id = redis.call('XADD', KEYS[2], '*', F.event, ARGV[1])
   redis.call('HSET', KEYS[1], M.state, S.CANCELLED, M.last, id, M.cancel, 1)
+  redis.call('HINCRBY', KEYS[1], M.events, 1)
   redis.call('COPY', KEYS[2], KEYS[4], 'REPLACE')
   redis.call('RENAME', KEYS[4], KEYS[2])
   redis.call('EXPIRE', KEYS[1], ARGV[2])

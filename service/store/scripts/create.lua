@@ -6,12 +6,17 @@
 -- ARGV[3] resume grace in ms, ARGV[4] '1' if detached (runs with no reader),
 -- ARGV[5] reader lease token ('' for none), ARGV[6] its expiry (ms),
 -- ARGV[7] encoded job ('' to enqueue nothing)
+-- Returns the created event's id. Run again with the same arguments (a retry after a lost
+-- reply), it changes nothing and returns the same id.
 if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 1 then
+  -- the same call again (its reply was lost): the log starts with this very event
+  local first = redis.call('XRANGE', KEYS[2], '-', '+', 'COUNT', 1)[1]
+  if first and first[2][2] == ARGV[1] then return first[1] end
   return redis.error_reply('EXISTS request already exists')
 end
 local id = redis.call('XADD', KEYS[2], '*', F.event, ARGV[1])
 redis.call('HSET', KEYS[1], M.epoch, 0, M.state, S.QUEUED, M.last, id,
-  M.grace_ms, ARGV[3], M.detached, ARGV[4], M.delivered, 0)
+  M.grace_ms, ARGV[3], M.detached, ARGV[4], M.delivered, 0, M.events, 1)
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 if ARGV[5] ~= '' then
