@@ -141,6 +141,7 @@ class Runner:
                     len(self._tasks),
                     int(time.time() * 1000),
                     int(self.mean_service_ms),
+                    frozenset(t.get_name() for t in self._tasks),
                 )
                 try:
                     await self.heartbeats.beat(self.settings.worker_id, beat)
@@ -159,8 +160,8 @@ class Runner:
         rid = job.request_id
         owner: Owner | None = None
         try:
-            owner = await self.log.claim(rid, self.settings.worker_id)
-            if owner is None:  # expired or already ended: nothing to do
+            owner = await self.log.claim(rid, self.settings.worker_id, entry_id)
+            if owner is None:  # expired, ended, or queued again (this worker was frozen)
                 await self.queue.ack(entry_id)
                 return
             dispatched_ms = int(time.time() * 1000)
@@ -242,7 +243,7 @@ class Runner:
         while True:
             try:
                 if owner is None:  # it failed before (or while) taking ownership
-                    owner = await self.log.claim(rid, self.settings.worker_id)
+                    owner = await self.log.claim(rid, self.settings.worker_id, entry_id)
                     if owner is None:  # ended or expired meanwhile
                         await self.queue.ack(entry_id)
                         return

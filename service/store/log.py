@@ -119,10 +119,14 @@ class RedisLog:
             raise _map_error(exc) from None
         return _decode_id(raw)
 
-    async def claim(self, request_id: str, worker_id: str) -> Owner | None:
-        """Become the owner; ``None`` if the request is unknown or already ended. The same
-        worker claiming again (a retry after a lost reply) keeps its epoch."""
-        raw = await self._claim(keys=[self.keys.meta(request_id)], args=[worker_id])
+    async def claim(
+        self, request_id: str, worker_id: str, entry_id: bytes | str = ""
+    ) -> Owner | None:
+        """Become the owner; ``None`` if the request is unknown or already ended, or if
+        ``entry_id`` (the queue entry the caller holds) is not the request's current one.
+        The same worker claiming again (a retry after a lost reply) keeps its epoch."""
+        entry = replies.text(entry_id)
+        raw = await self._claim(keys=[self.keys.meta(request_id)], args=[worker_id, entry])
         epoch = replies.integer(raw[0])
         if epoch <= 0:
             return None

@@ -16,7 +16,7 @@ import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from service.store import replies
+from service.store import replies, scripts
 from service.store.keys import JOB_FIELD, QUEUE_GROUP, Keys
 from service.stream.params import SamplingParams
 
@@ -36,14 +36,18 @@ class Heartbeat:
     busy: int
     unix_ms: int
     mean_service_ms: int
+    running: frozenset[str] = frozenset()  # the request ids it serves (the sweeper looks)
 
     def encode(self) -> str:
-        return f"{self.slots} {self.busy} {self.unix_ms} {self.mean_service_ms}"
+        ids = ",".join(sorted(self.running))
+        return f"{self.slots} {self.busy} {self.unix_ms} {self.mean_service_ms} {ids}".rstrip()
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Heartbeat:
-        slots, busy, unix_ms, mean = (int(float(x)) for x in replies.text(raw).split())
-        return cls(slots, busy, unix_ms, mean)
+        parts = replies.text(raw).split()
+        slots, busy, unix_ms, mean = (int(float(x)) for x in parts[:4])
+        running = frozenset(parts[4].split(",")) if len(parts) > 4 else frozenset()
+        return cls(slots, busy, unix_ms, mean, running)
 
     def fresh(self, now_ms: float, stale_s: float) -> bool:
         return now_ms - self.unix_ms <= stale_s * 1000
@@ -62,10 +66,18 @@ def encode_job(job: Job) -> bytes:
     return _enc.encode(job)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pending:
+    entry_id: bytes
+    idle_ms: int
+    job: Job | None
+
+
 class RequestQueue:
     def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
+        self._requeue = scripts.register(redis, "requeue")
 
     async def ensure_group(self) -> None:
         try:
@@ -124,24 +136,48 @@ class RequestQueue:
             raise
         return [replies.text(c["name"]) for c in consumers if c["pending"]]
 
-    async def claim_pending(
-        self, consumer: str, claimant: str, min_idle_ms: int, count: int = 100
-    ) -> list[tuple[bytes, Job | None]]:
-        """Move ``consumer``'s pending jobs (idle at least ``min_idle_ms``, so that one
-        claimant wins) to ``claimant``; a job trimmed meanwhile comes back as ``None``."""
-        pending: Any = await self.redis.xpending_range(
+    async def pending(self, consumer: str, count: int = 100) -> list[Pending]:
+        """``consumer``'s unacked jobs: entry id, how long since it was handed them, the
+        job (``None`` if the entry is gone)."""
+        raw: Any = await self.redis.xpending_range(
             self.keys.queue, QUEUE_GROUP, min="-", max="+", count=count, consumername=consumer
         )
-        ids = [p["message_id"] for p in pending]
-        if not ids:
+        if not raw:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for p in raw:
+            pipe.xrange(self.keys.queue, min=p["message_id"], max=p["message_id"])
+        found: Any = await pipe.execute()
+        out = []
+        for p, entries in zip(raw, found, strict=True):
+            fields = entries[0][1] if entries else None
+            job = decode_job(fields[JOB_FIELD]) if fields else None
+            out.append(Pending(p["message_id"], int(p["time_since_delivered"]), job))
+        return out
+
+    async def take(self, entry_ids: list[bytes], claimant: str, min_idle_ms: int) -> list[bytes]:
+        """Move pending entries to ``claimant`` (only those idle at least ``min_idle_ms``,
+        so that of several sweepers one wins); returns the ones it got."""
+        if not entry_ids:
             return []
         claimed: Any = await self.redis.xclaim(
-            self.keys.queue, QUEUE_GROUP, claimant, min_idle_time=min_idle_ms, message_ids=ids
+            self.keys.queue,
+            QUEUE_GROUP,
+            claimant,
+            min_idle_time=min_idle_ms,
+            message_ids=list[Any](entry_ids),
+            justid=True,
         )
-        return [
-            (entry_id, decode_job(fields[JOB_FIELD]) if fields else None)
-            for entry_id, fields in claimed
-        ]
+        return [c if isinstance(c, bytes) else replies.text(c).encode() for c in claimed]
+
+    async def requeue(self, request_id: str, entry_id: bytes) -> bool:
+        """Queue a job again that was taken but never started; False if it has started
+        (or ended, or was queued again already)."""
+        new = await self._requeue(
+            keys=[self.keys.meta(request_id), self.keys.queue],
+            args=[entry_id, QUEUE_GROUP],
+        )
+        return new is not None
 
 
 class Heartbeats:

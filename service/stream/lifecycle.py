@@ -74,6 +74,7 @@ class Meta(enum.StrEnum):
     GONE_MS = "gone_ms"  # when the last reader left (unset while one is connected)
     DELIVERED = "delivered"  # the most completion tokens any reader's connection was sent
     EVENTS = "events"  # entries in the log: where the next append must start (idempotence)
+    ENTRY = "entry"  # the request's current queue entry: only its holder may claim it
 
 
 def lua_prelude() -> str:

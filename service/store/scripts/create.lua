@@ -24,6 +24,7 @@ if ARGV[5] ~= '' then
   redis.call('EXPIRE', KEYS[3], ARGV[2])
 end
 if ARGV[7] ~= '' then
-  redis.call('XADD', KEYS[4], '*', F.job, ARGV[7])
+  local entry = redis.call('XADD', KEYS[4], '*', F.job, ARGV[7])
+  redis.call('HSET', KEYS[1], M.entry, entry)
 end
 return id
