@@ -52,7 +52,7 @@ class Runner:
     def __init__(self, settings: Settings, redis: Redis, engine: Engine, model: ModelInfo) -> None:
         self.settings = settings
         self.engine = engine
-        keys = Keys(settings.key_prefix)
+        self.keys = keys = Keys(settings.key_prefix)
         self.log = RedisLog(redis, keys)
         self.queue = RequestQueue(redis, keys)
         self.heartbeats = Heartbeats(redis, keys)
@@ -221,6 +221,9 @@ class Runner:
             ttl_s=self.settings.hot_log_ttl_s,
             summary=encode_summary(summary),
             give_up_at=self._give_up_at(job),
+            inflight_key=""
+            if first is None
+            else self.keys.inflight_of(first[1].tenant, first[1].api_key_id),
         )
 
     def _give_up_at(self, job: Job) -> float:

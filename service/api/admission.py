@@ -25,11 +25,6 @@ class RateLimited(ApiError):
         self.headers.setdefault("Retry-After", str(max(1, retry_after_s)))
 
 
-def who(tenant: str, key_id: str | None) -> str:
-    """What limits are counted against: the key, or the tenant when there is no key."""
-    return f"k:{key_id}" if key_id else f"t:{tenant}"
-
-
 class Admission:
     def __init__(self, limits: Limits, heartbeats: Heartbeats, settings: Settings) -> None:
         self.limits = limits
@@ -64,10 +59,6 @@ class Admission:
                 retry_after_s=math.ceil(retry_ms / 1000),
                 code="rate_limit_exceeded",
             )
-
-    async def release(self, principal: str, request_id: str) -> None:
-        if self.settings.max_concurrent_per_key:
-            await self.limits.release(principal, request_id)
 
     async def check_capacity(self, open_streams: int) -> None:
         s = self.settings

@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from service.api.admission import who
 from service.api.context import Context
 from service.api.metrics import READERS
 from service.store.presence import Lease
@@ -86,8 +85,6 @@ async def sse_frames(
             if sub.queue.qsize() >= ctx.settings.coalesce_backlog:
                 batch = _catch_up(sub, batch)
             out, delivered, ended = _frames(renderer, batch, cursor, lease.delivered)
-            if ended:
-                await ctx.admission.release(who(created.tenant, created.api_key_id), rid)
             if out:
                 yield out
             lease.delivered = delivered  # the send completed: it reached the connection
@@ -155,7 +152,6 @@ async def collect(ctx: Context, rid: str, created: Created, lease: Lease) -> Res
                 agg.add(event)
                 if isinstance(event, End):
                     lease.delivered = event.completion_tokens
-                    await ctx.admission.release(who(created.tenant, created.api_key_id), rid)
                     return agg
     finally:
         sub.close()

@@ -10,11 +10,11 @@ import secrets
 import time
 from collections.abc import Sequence
 
-from service.api.admission import who
 from service.api.auth import Principal
 from service.api.context import Context
 from service.api.schemas import ChatCompletionRequest, CompletionRequest
 from service.errors import Forbidden, InvalidRequest, NotFound
+from service.store.keys import principal as who
 from service.store.presence import Lease
 from service.store.queue import Job, encode_job
 from service.stream.events import Created, Kind

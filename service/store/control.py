@@ -61,10 +61,21 @@ class Control:
         return [self.keys.meta(rid), self.keys.readers(rid)]
 
     async def cancel(
-        self, rid: str, queued_end: ev.End, ttl_s: int, queued_summary: ev.Summary
+        self,
+        rid: str,
+        queued_end: ev.End,
+        ttl_s: int,
+        queued_summary: ev.Summary,
+        created: ev.Created,
     ) -> CancelOutcome:
-        keys = [self.keys.meta(rid), self.keys.log(rid), self.keys.outbox, self.keys.scratch(rid)]
-        args: list[Any] = [ev.encode(queued_end), ttl_s, ev.encode_summary(queued_summary)]
+        keys = [
+            self.keys.meta(rid),
+            self.keys.log(rid),
+            self.keys.outbox,
+            self.keys.scratch(rid),
+            self.keys.inflight_of(created.tenant, created.api_key_id),
+        ]
+        args: list[Any] = [ev.encode(queued_end), ttl_s, ev.encode_summary(queued_summary), rid]
         parts = replies.texts(await self._cancel(keys=keys, args=args))
         outcome = CancelOutcome(parts[0], parts[1] if len(parts) > 1 else None)
         if outcome.outcome == "cancelling" and outcome.detail:

@@ -17,6 +17,11 @@ END_ID_FIELD = b"i"  # outbox entry: the terminal event's id
 JOB_FIELD = b"j"  # the one field of each queue entry: a msgpack-encoded job
 
 
+def principal(tenant: str, key_id: str | None) -> str:
+    """What per-key limits are counted against: the key, or the tenant when there is none."""
+    return f"k:{key_id}" if key_id else f"t:{tenant}"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Keys:
     prefix: str = "le"
@@ -57,6 +62,10 @@ class Keys:
     def workers(self) -> str:
         """Worker heartbeats: worker id -> "<slots> <busy> <unix ms> <mean service ms>"."""
         return f"{self.prefix}:workers"
+
+    def inflight_of(self, tenant: str, key_id: str | None) -> str:
+        """The in-flight set a request of this tenant and key counts against."""
+        return self.inflight(principal(tenant, key_id))
 
     def inflight(self, principal: str) -> str:
         """A key's (or tenant's) requests in flight: request id -> expiry (ms)."""

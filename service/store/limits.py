@@ -27,7 +27,7 @@ class Limits:
 
     async def admit(
         self,
-        principal: str,
+        who: str,
         request_id: str,
         *,
         now_ms: int,
@@ -35,12 +35,10 @@ class Limits:
         per_minute: int,
         slot_expiry_ms: int,
     ) -> tuple[Admitted, int]:
-        """Count the request against ``principal``'s limits (0: none); returns the verdict
-        and, when refused, the milliseconds until it may try again."""
-        keys = [self.keys.inflight(principal), self.keys.rate(principal, now_ms // 60_000)]
+        """Count the request against ``who``'s limits (0: none); returns the verdict and,
+        when refused, the milliseconds until it may try again. The in-flight slot is freed
+        by the script that writes the request's terminal event."""
+        keys = [self.keys.inflight(who), self.keys.rate(who, now_ms // 60_000)]
         args: list[Any] = [now_ms, max_in_flight, per_minute, request_id, slot_expiry_ms]
         verdict, *rest = await self._admit(keys=keys, args=args)
         return Admitted(replies.integer(verdict)), replies.integer(rest[0] if rest else 0)
-
-    async def release(self, principal: str, request_id: str) -> None:
-        await self.redis.zrem(self.keys.inflight(principal), request_id)

@@ -142,11 +142,14 @@ class RedisLog:
         ttl_s: int = 0,
         summary: bytes = b"",
         expect: int | None = None,
+        inflight_key: str = "",
     ) -> list[EventId]:
-        """``expect``: the entries the log must hold before these (``None``: no check)."""
-        [result] = await self.append_many(
-            [Append(request_id, epoch, events, terminal_state, ttl_s, summary, expect)]
+        """``expect``: the entries the log must hold before these (``None``: no check);
+        ``inflight_key``: the API key's in-flight set, freed with a terminal event."""
+        item = Append(
+            request_id, epoch, events, terminal_state, ttl_s, summary, expect, inflight_key
         )
+        [result] = await self.append_many([item])
         if isinstance(result, LogError):
             raise result
         return result
@@ -165,8 +168,11 @@ class RedisLog:
                 self.keys.log(rid),
                 self.keys.readers(rid),
                 self.keys.scratch(rid),
+                # (no slot to free: a key the terminal script leaves absent anyway)
+                item.inflight_key or self.keys.scratch(rid),
             ]
             args += [
+                rid,
                 str(item.epoch),
                 "" if item.expect is None else item.expect,
                 item.terminal_state,
@@ -223,6 +229,9 @@ class RedisLog:
             terminal_state=end.state,
             ttl_s=ttl_s,
             summary=ev.encode_summary(summary),
+            inflight_key=self.keys.inflight_of(first[1].tenant, first[1].api_key_id)
+            if first is not None
+            else "",
         )
 
     async def meta(self, request_id: str) -> RequestMeta | None:
@@ -291,6 +300,7 @@ class Append:
     ttl_s: int = 0
     summary: bytes = b""
     expect: int | None = None  # entries the log holds before these (None: no check)
+    inflight_key: str = ""  # the API key's in-flight set, freed at the terminal event
 
 
 @dataclasses.dataclass(slots=True)
@@ -337,12 +347,20 @@ class AppendBatcher:
         ttl_s: int = 0,
         summary: bytes = b"",
         give_up_at: float = 0.0,
+        inflight_key: str = "",
     ) -> list[EventId]:
         """Append at ``owner``'s position; ``give_up_at`` (unix s): keep trying through a
         Redis outage until then (0: fail on the first connection error)."""
         future: asyncio.Future[list[EventId]] = asyncio.get_running_loop().create_future()
         item = Append(
-            owner.request_id, owner.epoch, events, terminal_state, ttl_s, summary, owner.events
+            owner.request_id,
+            owner.epoch,
+            events,
+            terminal_state,
+            ttl_s,
+            summary,
+            owner.events,
+            inflight_key,
         )
         self._pending.append((item, owner, give_up_at, future))
         self._wakeup.set()

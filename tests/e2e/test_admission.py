@@ -12,6 +12,7 @@ import pytest
 
 from tests.e2e.conftest import Stack, make_stack, running
 from tests.e2e.helpers import chat_body
+from tests.waiting import wait_until
 
 SCRIPT = " ".join(["word"] * 40)  # every answer: 40 tokens
 
@@ -118,3 +119,44 @@ def test_queue_that_would_wait_too_long_is_503(
         retry_after = check_error(resp, 503, "overloaded")
         assert "waiting for 1 worker slots" in resp.json()["error"]["message"]
         assert retry_after >= 1
+
+
+def test_a_slot_is_freed_by_the_end_whoever_reads_it(
+    tmp_path: Path, redis_url: str, database_url: str, model_dir: Path
+) -> None:
+    """With one slot per key: requests that end with nobody reading their end (walked
+    away and abandoned, detached, cancelled while queued) give their slot back."""
+    with (
+        running(
+            tmp_path,
+            redis_url,
+            database_url,
+            model_dir,
+            max_concurrent_per_key=1,
+            scripted_tokens_per_s=200.0,
+        ) as st,
+        httpx.Client(base_url=st.url, timeout=30) as c,
+    ):
+        for _ in range(3):  # walk away at once: abandoned after a zero grace
+            body = chat_body(
+                st.model, "bye", stream=True, stream_options={"resume_grace_s": 0}, max_tokens=200
+            )
+            with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                rid = r.headers["x-request-id"]
+            # nobody reads its end: the next request (this loop's) must still be admitted
+            wait_until(
+                lambda rid=rid: c.get(f"/v1/requests/{rid}").json()["state"] == "abandoned",
+                what="the abandoned end",
+                timeout=30,
+            )
+        body = chat_body(st.model, "alone", stream_options={"detached": True}, stream=True)
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            rid = r.headers["x-request-id"]  # and leave at once: it runs to its end alone
+        wait_until(
+            lambda: c.get(f"/v1/requests/{rid}").json()["state"] == "finished",
+            what="the detached end",
+            timeout=30,
+        )
+        later = c.post("/v1/chat/completions", json=chat_body(st.model, "x"))
+        assert later.status_code == 200, later.text

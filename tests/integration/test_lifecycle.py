@@ -54,13 +54,14 @@ async def test_the_scripts_write_the_python_names(redis: Redis, key_prefix: str)
     log = RedisLog(redis, keys)
     rid = uuid.uuid4().hex
     try:
-        await log.create(rid, ev.Created(kind="chat", model="m", created=0, prompt_tokens=1), 60)
+        first = ev.Created(kind="chat", model="m", created=0, prompt_tokens=1)
+        await log.create(rid, first, 60)
         raw = await redis.hgetall(keys.meta(rid))
         assert {replies.text(k) for k in raw} <= {m.value for m in Meta}
         assert replies.text(replies.field(raw, Meta.STATE)) == State.QUEUED
         end = ev.End(str(State.CANCELLED), "cancelled", 1, 0)
         summary = ev.summarize(rid, None, end, now_ms=0)
-        outcome = await Control(redis, keys).cancel(rid, end, 60, summary)
+        outcome = await Control(redis, keys).cancel(rid, end, 60, summary, first)
         assert outcome.outcome == State.CANCELLED
         meta = await log.meta(rid)
         assert meta is not None and meta.state == State.CANCELLED

@@ -149,7 +149,7 @@ class RequestsController(Controller):
         first = await ctx.log.first_with_id(request_id)
         summary = summarize(request_id, first, queued_end, now_ms=int(time.time() * 1000))
         outcome = await ctx.control.cancel(
-            request_id, queued_end, ctx.settings.hot_log_ttl_s, summary
+            request_id, queued_end, ctx.settings.hot_log_ttl_s, summary, created
         )
         if outcome.outcome == "missing":
             raise no_such_request(request_id)

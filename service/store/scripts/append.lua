@@ -3,8 +3,9 @@
 -- caller still owns it and the log is where the caller thinks it is; the terminal event
 -- and its outbox entry go together or not at all.
 -- KEYS[1] outbox; then per request: meta, log, readers (dropped at the terminal event),
--- scratch (the finished log is copied there and renamed back: see below)
--- ARGV, per request: owner epoch, expected entries in the log before these ('' to not
+-- scratch (the finished log is copied there and renamed back: see below), the in-flight
+-- set of its API key (its slot is freed at the terminal event, whoever reads it)
+-- ARGV, per request: request id, owner epoch, expected entries in the log before these ('' to not
 -- check), terminal state ('' if not terminal), TTL in seconds applied to its keys when
 -- terminal, encoded Summary for the outbox ('' if none), number of events n, the n events
 -- Returns one array per request: {'OK', <entry id>...}, or {'FENCED ...'} (not the
@@ -14,13 +15,14 @@
 local out = {}
 local a, k = 1, 2
 while a <= #ARGV do
-  local epoch, expect, terminal = ARGV[a], ARGV[a + 1], ARGV[a + 2]
-  local ttl, summary = ARGV[a + 3], ARGV[a + 4]
-  local n = tonumber(ARGV[a + 5])
-  local first = a + 6
+  local rid, epoch, expect, terminal = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
+  local ttl, summary = ARGV[a + 4], ARGV[a + 5]
+  local n = tonumber(ARGV[a + 6])
+  local first = a + 7
   local last = first + n - 1
   local meta_key, log_key, readers_key, scratch_key = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
-  a, k = last + 1, k + 4
+  local inflight_key = KEYS[k + 4]
+  a, k = last + 1, k + 5
   local meta = redis.call('HMGET', meta_key, M.epoch, M.state, M.events)
   local state = meta[2]
   local have = tonumber(meta[3] or '0')
@@ -47,6 +49,7 @@ while a <= #ARGV do
     end
     if terminal ~= '' then
       redis.call('DEL', readers_key)
+      redis.call('ZREM', inflight_key, rid)
       -- Right-size the finished log: Redis preallocates a stream node's listpack to
       -- stream-node-max-bytes (4 KiB by default) and never shrinks the last node, which
       -- for a short answer is most of its memory; a copy is allocated to fit.
