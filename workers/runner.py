@@ -206,11 +206,15 @@ class Runner:
         end = outcome.events[-1]
         assert isinstance(end, End)
         delivered: int | None = None
-        try:
-            delivery = await self.control.delivery(rid)
-            delivered = None if delivery.present else delivery.delivered
-        except RedisError:
-            pass  # count only what came after an abort decision
+        if end.state == State.ABANDONED:
+            # nobody came back within the grace period: what no reader got was wasted. Any
+            # other end is in the log for the hot TTL, for a client between connections
+            # to read (it is billed as delivered; a later reader gets it all)
+            try:
+                delivery = await self.control.delivery(rid)
+                delivered = None if delivery.present else delivery.delivered
+            except RedisError:
+                pass  # count only what came after the abort decision
         end.wasted_tokens = wasted_tokens(end.completion_tokens, outcome.covered_tokens, delivered)
         WASTED_TOKENS.inc(end.wasted_tokens)
         summary = self._summary(rid, first, end, outcome, dispatched_ms)
