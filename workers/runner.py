@@ -26,9 +26,11 @@ from service.store.log import (
     Fenced,
     LogError,
     LogGap,
+    LogGone,
     Owner,
     RedisLog,
 )
+from service.store.outbox import Outbox
 from service.store.queue import Heartbeat, Heartbeats, Job, RequestQueue
 from service.stream.events import Created, End, Summary, encode_summary, summarize
 from service.stream.ids import EventId
@@ -56,6 +58,7 @@ class Runner:
         self.log = RedisLog(redis, keys)
         self.queue = RequestQueue(redis, keys)
         self.heartbeats = Heartbeats(redis, keys)
+        self.outbox = Outbox(redis, keys)
         self.control = Control(redis, keys)
         self.batcher = AppendBatcher(self.log)
         self.generation = Generation(engine, model, self.batcher, settings.request_deadline_s)
@@ -159,6 +162,7 @@ class Runner:
     async def _serve(self, entry_id: bytes, job: Job) -> None:
         rid = job.request_id
         owner: Owner | None = None
+        first: tuple[EventId, Created] | None = None
         try:
             owner = await self.log.claim(rid, self.settings.worker_id, entry_id)
             if owner is None:  # expired, ended, or queued again (this worker was frozen)
@@ -183,6 +187,9 @@ class Runner:
             )
         except Fenced:
             log.warning("request %s was taken over by another worker; stopping", rid)
+        except LogGone as exc:  # Redis lost all of it: the ledger still gets its row
+            log.warning("request %s: %s", rid, exc)
+            await self._record_lost(job, first)
         except LogGap as exc:  # Redis lost part of the log: say so in band, and end
             log.warning("request %s: %s", rid, exc)
             await self._end_errored(entry_id, job, owner, "log_lost", LOG_LOST)
@@ -229,6 +236,25 @@ class Runner:
             if first is None
             else self.keys.inflight_of(first[1].tenant, first[1].api_key_id),
         )
+
+    async def _record_lost(self, job: Job, first: tuple[EventId, Created] | None) -> None:
+        """Redis lost the request (a restart without persistence): no terminal event can be
+        written, but the ledger gets an ``errored`` row through an outbox entry of its own
+        (the queue entry went with the rest, so there is nothing to ack)."""
+        now_ms = int(time.time() * 1000)
+        end = End(str(State.ERRORED), None, len(job.prompt_token_ids), 0)
+        summary = summarize(
+            job.request_id,
+            first,
+            end,
+            now_ms=now_ms,
+            error_code="log_lost",
+            worker_id=self.settings.worker_id,
+        )
+        try:
+            await self.outbox.add(summary, f"{now_ms}-0")
+        except RedisError:
+            log.exception("request %s: could not record it as lost", job.request_id)
 
     def _give_up_at(self, job: Job) -> float:
         """How long the worker keeps trying to end a request through a Redis outage: past

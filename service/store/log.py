@@ -44,6 +44,10 @@ class LogGap(LogError):
     persistence, or the last second of an AOF ``everysec``)."""
 
 
+class LogGone(LogGap):
+    """Redis lost the whole request (a restart without persistence)."""
+
+
 class RequestExists(LogError):
     """A log with this request id already exists."""
 
@@ -61,6 +65,8 @@ def _map_error(exc: ResponseError) -> LogError | ResponseError:
         return Fenced(text)
     if text.startswith("ENDED"):
         return AlreadyEnded(text)
+    if text.startswith("GONE"):
+        return LogGone(text)
     if text.startswith("GAP"):
         return LogGap(text)
     if text.startswith("EXISTS"):

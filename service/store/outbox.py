@@ -15,7 +15,7 @@ from redis.exceptions import ResponseError
 
 from service.store import replies
 from service.store.keys import END_ID_FIELD, RECORDER_GROUP, SUMMARY_FIELD, Keys
-from service.stream.events import Summary, decode_summary
+from service.stream.events import Summary, decode_summary, encode_summary
 
 # (outbox entry id, (summary, terminal event id) -- or None for an entry trimmed while pending)
 Entry = tuple[bytes, tuple[Summary, str] | None]
@@ -74,6 +74,13 @@ class Outbox:
 
     async def ack(self, entry_id: bytes) -> None:
         await self.redis.xack(self.keys.outbox, RECORDER_GROUP, entry_id)
+
+    async def add(self, summary: Summary, end_id: str) -> None:
+        """An entry for a request whose log Redis lost (its terminal event cannot be
+        written): the ledger still gets its row."""
+        await self.redis.xadd(
+            self.keys.outbox, {SUMMARY_FIELD: encode_summary(summary), END_ID_FIELD: end_id}
+        )
 
     async def ended_between(self, since_ms: int, until_ms: int) -> list[tuple[Summary, str]]:
         """Summaries whose terminal event id falls in [since_ms, until_ms)."""

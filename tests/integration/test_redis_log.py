@@ -26,6 +26,7 @@ from service.store.log import (
     AppendBatcher,
     Fenced,
     LogGap,
+    LogGone,
     Owner,
     RedisLog,
     RequestExists,
@@ -639,3 +640,13 @@ async def test_the_batcher_counts_where_the_log_is(rlog: RedisLog, batcher: Appe
     await batcher.append(owner, [delta(1)])
     await batcher.append(owner, [delta(2), delta(3)])
     assert owner.events == 4 == await rlog.redis.xlen(rlog.keys.log(request_id))
+
+
+async def test_an_append_to_a_request_redis_forgot_is_gone(rlog: RedisLog, redis: Redis):
+    """Redis restarted without its data: the owner learns the request is gone (not that
+    another worker took it over), so it can still give the ledger its row."""
+    request_id, owner = await new_request(rlog)
+    await redis.delete(rlog.keys.meta(request_id), rlog.keys.log(request_id))
+    with pytest.raises(LogGone):
+        await rlog.append(request_id, owner.epoch, [delta(1)], expect=owner.events)
+    assert not await redis.exists(rlog.keys.log(request_id))

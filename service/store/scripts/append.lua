@@ -10,7 +10,8 @@
 -- terminal, encoded Summary for the outbox ('' if none), number of events n, the n events
 -- Returns one array per request: {'OK', <entry id>...}, or {'FENCED ...'} (not the
 -- owner) / {'ENDED ...'} (already terminal) / {'GAP ...'} (the log does not hold what the
--- caller wrote: Redis lost data), which leave that request untouched. The same append
+-- caller wrote: Redis lost data) / {'GONE ...'} (Redis lost the whole request), which leave
+-- that request untouched. The same append
 -- sent again (its reply was lost) is not written twice: it answers the ids it got.
 local out = {}
 local a, k = 1, 2
@@ -26,7 +27,9 @@ while a <= #ARGV do
   local meta = redis.call('HMGET', meta_key, M.epoch, M.state, M.events)
   local state = meta[2]
   local have = tonumber(meta[3] or '0')
-  if meta[1] ~= epoch then
+  if not meta[1] and not meta[2] then
+    out[#out + 1] = {'GONE the request is not in Redis any more'}
+  elseif meta[1] ~= epoch then
     out[#out + 1] = {'FENCED owner epoch is ' .. tostring(meta[1]) .. ', not ' .. epoch}
   elseif expect ~= '' and have == tonumber(expect) + n and n > 0 then
     -- already written by this very call: answer its ids again
