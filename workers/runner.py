@@ -10,6 +10,7 @@ abort decisions; a heartbeat tells the API processes this worker is alive.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -45,6 +46,7 @@ from workers.presence import PresenceWatch
 log = logging.getLogger(__name__)
 
 MAX_CLAIM_BURST = 64  # jobs taken in one queue read
+SERVED_REMEMBERED = 10_000  # request ids this worker ran, never to be run again by it
 END_MARGIN_S = 60.0  # a request's end is retried this long past its deadline
 INTERNAL = "the worker failed while serving this request"
 LOG_LOST = "Redis lost part of this request's log (it restarted without all of its data)"
@@ -75,6 +77,7 @@ class Runner:
         self._tasks: set[asyncio.Task[None]] = set()
         self._aborts: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
+        self._served: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -163,6 +166,14 @@ class Runner:
         rid = job.request_id
         owner: Owner | None = None
         first: tuple[EventId, Created] | None = None
+        if rid in self._served:
+            # handed to this worker again after it served it: Redis lost the end (and the
+            # ack) in a restart. Never run it twice: end it errored if its end is gone.
+            await self._end_errored(entry_id, job, None, "log_lost", LOG_LOST)
+            return
+        self._served[rid] = None
+        while len(self._served) > SERVED_REMEMBERED:
+            self._served.popitem(last=False)
         try:
             owner = await self.log.claim(rid, self.settings.worker_id, entry_id)
             if owner is None:  # expired, ended, or queued again (this worker was frozen)
