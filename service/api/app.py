@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -70,27 +70,22 @@ def _http_error(_: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
     return Response(body, status_code=status, headers=dict(exc.headers or {}))
 
 
-def _store_unavailable(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
-    """Redis unreachable (restarting, failing over, loading its data, no free connection):
-    the request was not accepted, and may be sent again."""
-    log.warning("redis unavailable: %s", exc)
-    error = ServiceUnavailable(
-        "the event log is unavailable for a moment; retry",
-        retry_after_s=1,
-        code="store_unavailable",
-    )
-    return _error_response(error)
+def _unavailable(
+    what: str, code: str, retry_after_s: int
+) -> Callable[[Request[Any, Any, Any], Exception], Response[Any]]:
+    """A 503 for a store that cannot be reached (restarting, failing over, down): the
+    request was not accepted, and may be sent again."""
+
+    def handle(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+        log.warning("%s unavailable: %s", what, exc)
+        message = f"the {what} is unavailable for a moment; retry"
+        return _error_response(ServiceUnavailable(message, retry_after_s=retry_after_s, code=code))
+
+    return handle
 
 
-def _ledger_unavailable(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
-    """Postgres unreachable where a request needed it (an archive, a ledger row)."""
-    log.warning("postgres unavailable: %s", exc)
-    error = ServiceUnavailable(
-        "the ledger is unavailable for a moment; retry",
-        retry_after_s=2,
-        code="ledger_unavailable",
-    )
-    return _error_response(error)
+_store_unavailable = _unavailable("event log", "store_unavailable", 1)  # Redis
+_ledger_unavailable = _unavailable("ledger", "ledger_unavailable", 2)  # Postgres
 
 
 def _internal_error(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
