@@ -5,8 +5,8 @@ Per scenario: how long until every open stream moved again after Redis was back,
 the first token of a request sent after it, what became of the accepted requests
 (by state and in-band error; "log gone": it cannot be read back; lost: no terminal
 state anywhere), the 503s the clients were answered, their cuts, resumes and restarts
-from the start, finished answers whose client's text is not the log's, billing rows and
-whether ``lastevent billing reconcile`` is clean.
+from the start, finished answers whose client's text is not the log's, billing rows,
+whether ``lastevent billing reconcile`` is clean, and per-request keys left without a TTL.
 
     .venv/bin/python -m bench.outages                       # all six, ~2 minutes
     .venv/bin/python -m bench.outages --scenarios everysec,forget --clients 20
@@ -35,6 +35,7 @@ from tests.chaos.conftest import (
     crash_and_restart,
     drive,
     freeze,
+    keys_without_ttl,
     kill_and_restart,
     outage_stack,
     reconcile,
@@ -77,7 +78,12 @@ SCENARIOS = {
 
 
 def figures(
-    sc: Scenario, outcome: Outcome, found: dict[str, Verdict], rows: dict[str, int], clean: str
+    sc: Scenario,
+    outcome: Outcome,
+    found: dict[str, Verdict],
+    rows: dict[str, int],
+    clean: str,
+    stray: int,
 ) -> dict[str, str]:
     accepted = outcome.accepted
     states: collections.Counter[str] = collections.Counter()
@@ -117,6 +123,7 @@ def figures(
         "text differs from log (finished)": str(mismatched),
         "billing rows": f"{sum(rows.values())} of {len(accepted)}",
         "reconcile": clean,
+        "per-request keys that never expire": str(stray),
     }
 
 
@@ -162,7 +169,8 @@ def run_one(
         clean = lines[-1] if lines else f"failed: {done.stderr[-200:]}"
         if problems:
             clean += f" ({lines[0]}, {problems} findings)"
-        return figures(sc, outcome, found, rows, clean)
+        stray = len(keys_without_ttl(server, stack.settings.key_prefix))
+        return figures(sc, outcome, found, rows, clean, stray)
 
 
 def table(results: list[dict[str, str]]) -> str:

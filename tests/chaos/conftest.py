@@ -524,6 +524,7 @@ async def verdicts(
                 found = str(r.json()["state"])
                 return found if found in TERMINAL else None
 
+            found: str | None
             try:
                 found = await eventually(state, f"{rid} to end", timeout=safety_s, interval=0.2)
             except AssertionError:
@@ -582,13 +583,14 @@ def ledger_rows(database_url: str, rids: list[str]) -> dict[str, int]:
 
 def wait_rows(database_url: str, rids: list[str], *, safety_s: float = 60.0) -> dict[str, int]:
     """The rows of ``rids`` once all of them are there (or what is there after ``safety_s``)."""
+
+    def complete() -> dict[str, int] | None:
+        rows = ledger_rows(database_url, rids)
+        return rows if len(rows) == len(rids) else None
+
     try:
-        return wait_until(
-            lambda: (rows := ledger_rows(database_url, rids)) and len(rows) == len(rids) and rows,
-            "a billing row for every request",
-            timeout=safety_s,
-            interval=0.3,
-        )
+        found = wait_until(complete, "every billing row", timeout=safety_s, interval=0.3)
+        return found or {}
     except AssertionError:
         return ledger_rows(database_url, rids)
 
@@ -633,6 +635,17 @@ def outage_stack(
     finally:
         stack.stop()
         server.stop()
+
+
+def keys_without_ttl(server: ChaosRedis, prefix: str) -> list[str]:
+    """Per-request keys (``<prefix>:{<request id>}:...``) that never expire: a leak (every
+    one gets a safety TTL when made, the retention TTL at the request's end)."""
+    client = redis.Redis.from_url(server.url, socket_timeout=5)
+    try:
+        found = client.scan_iter(match=f"{prefix}:{{*", count=1000)
+        return sorted(k.decode() for k in found if client.ttl(k) == -1)
+    finally:
+        client.close()
 
 
 _ACCESS = re.compile(r'"(?P<request>[A-Z]+ \S+) HTTP/[\d.]+" (?P<status>\d{3})')

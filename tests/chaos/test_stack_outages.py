@@ -31,6 +31,7 @@ from tests.chaos.conftest import (
     crash_and_restart,
     drive,
     freeze,
+    keys_without_ttl,
     kill_and_restart,
     logs_of,
     outage_stack,
@@ -106,9 +107,10 @@ def request_findings(c: Client, v: Verdict, *, lost_ok: bool) -> list[str]:
     if not _increasing(v.log_ids):
         out.append(f"{rid}: the log's ids do not increase: {v.log_ids}")
     if v.state == "errored" and v.log_error == "log_lost" and lost_ok:
-        # Redis lost the tail of this log: what a client still connected saw of that tail
-        # is gone from the log, which says so in band (the answer is void, not wrong)
-        if c.error != "log_lost" or not c.text.startswith(v.log_text):
+        # Redis lost the tail of this log, which says so in band: a client still connected
+        # saw that tail before it was lost (and [DONE], if the end was in it), so the log's
+        # text is a prefix of its own; it sees the in-band error unless it had ended
+        if not (c.error == "log_lost" or c.done) or not c.text.startswith(v.log_text):
             out.append(
                 f"{rid}: errored log_lost, but the client saw error {c.error!r} and text "
                 f"{c.text!r}, the log {v.log_text!r}"
@@ -155,6 +157,7 @@ def billing_findings(stack: Stack, database_url: str, rids: list[str], since: st
 @dataclasses.dataclass
 class Run:
     stack: Stack
+    server: ChaosRedis
     since: str  # for reconcile: after the stack started, so only this test's rows
     outcome: Outcome
     found: dict[str, Verdict]
@@ -163,8 +166,12 @@ class Run:
     def rids(self) -> list[str]:
         return [c.rid for c in self.outcome.accepted if c.rid is not None]
 
-    def check(self, findings: list[str]) -> None:
-        findings = findings + server_errors(self.stack)
+    def leaks(self) -> list[str]:
+        stray = keys_without_ttl(self.server, self.stack.settings.key_prefix)
+        return [f"a key that never expires: {key}" for key in stray]
+
+    def check(self, findings: list[str], *, leaks: bool = True) -> None:
+        findings = findings + server_errors(self.stack) + (self.leaks() if leaks else [])
         assert not findings, "\n".join(findings) + "\n\n" + logs_of(self.stack)
 
 
@@ -208,7 +215,7 @@ def scenario(
         )
         rids = [c.rid for c in outcome.accepted if c.rid is not None]
         found = asyncio.run(verdicts(stack.api_urls, rids))
-        yield Run(stack, since, outcome, found)
+        yield Run(stack, server, since, outcome, found)
 
 
 def _killed(
@@ -265,20 +272,19 @@ def test_redis_host_crash_loses_the_last_second_aof_everysec(
 
 @pytest.mark.xfail(
     strict=False,
-    reason="a request whose end (and queue ack) Redis lost is run again from its first "
-    "token by the same worker, which re-reads its pending jobs after the outage; claim.lua "
-    "gives the running request back to it with the surviving log's length, so the new "
-    "answer is appended after the surviving part of the old one (the log's text is "
-    "doubled, finished a second time) and reconcile finds the billing row's "
-    "last_event_id (first end) is not the outbox's (second end)",
+    reason="billing disagrees with the log when Redis lost an end: the recorder had already "
+    "written the row of the end that the crash took back (finished, stop, all tokens: what "
+    "the client got with [DONE]); the worker handed the job again ends it errored log_lost "
+    "with a second outbox entry, which finds that row (idempotent on the id) and leaves it, "
+    "so reconcile reports MISMATCH state / finish_reason / tokens / last_event_id",
 )
 def test_redis_host_crash_loses_the_ends_of_answers_aof_everysec(
     tmp_path: Path, database_url: str, model_dir: Path
 ) -> None:
     """A host crash whose lost 1.5 s hold the answers' last tokens and their ends (their
-    clients saw ``[DONE]``): each request still ends once, its log's text is never more
-    than what its client saw (finished: the same text; errored ``log_lost``: a prefix),
-    and billing reconciles."""
+    clients saw ``[DONE]``): no answer runs twice, each request still ends once in its
+    log (errored ``log_lost`` with a prefix of what its client saw, or finished with the
+    same text), and billing reconciles with the log."""
     _killed(
         tmp_path,
         database_url,
@@ -318,14 +324,14 @@ def test_redis_frozen_for_3_s(tmp_path: Path, database_url: str, model_dir: Path
         assert len(run.rids) == 18
 
 
-def test_redis_restarted_without_its_data(
-    tmp_path: Path, database_url: str, model_dir: Path
-) -> None:
-    """No persistence: Redis comes back empty. Open streams end (in-band ``log_lost``,
-    or a clean end) instead of hanging; requests sent afterwards work (the workers make
-    their consumer group again). Billing rows of what Redis forgot may be missing."""
+@pytest.fixture(scope="module")
+def forgotten(
+    tmp_path_factory: pytest.TempPathFactory, database_url: str, model_dir: Path
+) -> Iterator[Run]:
+    """Redis restarted without persistence (it comes back empty) under 12 streams, then 6
+    requests sent during and after the outage: run once, judged by the two tests below."""
     with scenario(
-        tmp_path,
+        tmp_path_factory.mktemp("forgotten"),
         database_url,
         model_dir,
         kill_and_restart,
@@ -335,17 +341,49 @@ def test_redis_restarted_without_its_data(
         early=12,
         after=4,
     ) as run:
-        findings = client_findings(run.outcome)
-        new = []
-        for c in run.outcome.accepted:
-            v = run.found[c.rid or ""]
-            if c.cohort == "early":  # accepted before Redis went (it came back empty)
-                findings += forgotten_findings(c, v)
-            else:  # sent after the restart: must work as ever
-                findings += request_findings(c, v, lost_ok=False)
-                new.append(c.rid or "")
-        # what Redis forgot may have no billing row; what came after has exactly one, and
-        # the ledger agrees with what is left of the outbox
-        findings += billing_findings(run.stack, database_url, new, run.since)
-        run.check(findings)
-        assert len(new) == 6, [(c.cohort, c.gave_up) for c in run.outcome.clients]
+        yield run
+
+
+def test_redis_restarted_without_its_data(forgotten: Run, database_url: str) -> None:
+    """Open streams end (in-band ``log_lost``, or a clean end) instead of hanging;
+    requests sent afterwards work (the workers make their consumer group again). Billing
+    rows of what Redis forgot may be missing."""
+    run = forgotten
+    findings = client_findings(run.outcome)
+    new = []
+    for c in run.outcome.accepted:
+        v = run.found[c.rid or ""]
+        if c.cohort == "early":  # accepted before Redis went (it came back empty)
+            findings += forgotten_findings(c, v)
+        else:  # sent after the restart: must work as ever
+            findings += request_findings(c, v, lost_ok=False)
+            new.append(c.rid or "")
+    # what Redis forgot may have no billing row; what came after has exactly one, and
+    # the ledger agrees with what is left of the outbox
+    findings += billing_findings(run.stack, database_url, new, run.since)
+    run.check(findings, leaks=False)  # the next test's
+    assert len(new) == 6, [(c.cohort, c.gave_up) for c in run.outcome.clients]
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="check.lua (the owner's presence check) runs on a request whose meta Redis "
+    "forgot and HSETs gone_ms into it: a meta hash {gone_ms} (leave.lua then adds "
+    "delivered) with no TTL, never expiring; GET /v1/requests/{id} then takes it for the "
+    "hot log (state '', no created, tenant None) and answers 404 although the ledger has "
+    "the request's errored log_lost row",
+)
+def test_redis_restarted_without_its_data_leaves_no_stray_keys(
+    forgotten: Run, database_url: str
+) -> None:
+    """Nothing of what Redis forgot comes back as a key that never expires, and a forgotten
+    request the ledger has a row for is answered from that row."""
+    run = forgotten
+    findings = run.leaks()
+    rows = wait_rows(database_url, run.rids, safety_s=15)
+    findings += [
+        f"{c.rid}: billed, but its status answers {sorted(set(run.found[c.rid].statuses))}"
+        for c in run.outcome.accepted
+        if c.rid and c.cohort == "early" and rows.get(c.rid) and run.found[c.rid].state is None
+    ]
+    assert not findings, "\n".join(findings)
