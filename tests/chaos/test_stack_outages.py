@@ -365,14 +365,6 @@ def test_redis_restarted_without_its_data(forgotten: Run, database_url: str) -> 
     assert len(new) == 6, [(c.cohort, c.gave_up) for c in run.outcome.clients]
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="check.lua (the owner's presence check) runs on a request whose meta Redis "
-    "forgot and HSETs gone_ms into it: a meta hash {gone_ms} (leave.lua then adds "
-    "delivered) with no TTL, never expiring; GET /v1/requests/{id} then takes it for the "
-    "hot log (state '', no created, tenant None) and answers 404 although the ledger has "
-    "the request's errored log_lost row",
-)
 def test_redis_restarted_without_its_data_leaves_no_stray_keys(
     forgotten: Run, database_url: str
 ) -> None:

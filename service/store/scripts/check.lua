@@ -4,6 +4,10 @@
 -- longer than the grace period), V.KEEP_GOING; or -N: no live lease, abandoned in N ms
 -- unless a reader returns. Lapsed leases are removed; the moment the last one lapsed
 -- (or the last reader left) is kept in M.gone_ms.
+-- A request Redis forgot (a restart without its data) is not brought back to life as a
+-- meta hash with only gone_ms in it (a key without a TTL): its owner learns at its next
+-- append that it is gone.
+if redis.call('EXISTS', KEYS[1]) == 0 then return V.KEEP_GOING end
 local m = redis.call('HMGET', KEYS[1], M.cancel, M.detached, M.grace_ms, M.gone_ms)
 if m[1] == '1' then return V.CANCELLED end
 if m[2] == '1' then return V.KEEP_GOING end
