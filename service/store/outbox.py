@@ -11,9 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
 
-from service.store import replies
+from service.store import groups, replies
 from service.store.keys import END_ID_FIELD, RECORDER_GROUP, SUMMARY_FIELD, Keys
 from service.stream.events import Summary, decode_summary, encode_summary
 
@@ -33,29 +32,21 @@ class Outbox:
         self.keys = keys
 
     async def ensure_group(self) -> None:
-        try:
-            await self.redis.xgroup_create(self.keys.outbox, RECORDER_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        await groups.ensure(self.redis, self.keys.outbox, RECORDER_GROUP)
 
     async def read(self, consumer: str, count: int, *, pending: bool, block_ms: int) -> list[Entry]:
         """``pending``: this consumer's own unacked entries, oldest first (no wait);
         otherwise new entries, waiting up to ``block_ms`` for one."""
-        try:
-            reply: Any = await self.redis.xreadgroup(
-                RECORDER_GROUP,
-                consumer,
-                {self.keys.outbox: "0" if pending else ">"},
-                count=count,
-                block=None if pending else block_ms,
-            )
-        except ResponseError as exc:  # Redis lost the group (restarted without its data)
-            if "NOGROUP" not in str(exc):
-                raise
-            await self.ensure_group()
-            return []
-        return [_entry(eid, fields) for _key, items in reply or [] for eid, fields in items]
+        entries = await groups.read(
+            self.redis,
+            self.keys.outbox,
+            RECORDER_GROUP,
+            consumer,
+            pending=pending,
+            count=count,
+            block_ms=block_ms,
+        )
+        return [_entry(eid, fields) for eid, fields in entries]
 
     async def claim_idle(self, consumer: str, min_idle_ms: int, count: int) -> int:
         """Take over entries another recorder read but never acked (it died)."""

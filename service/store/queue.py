@@ -16,7 +16,7 @@ import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from service.store import replies, scripts
+from service.store import groups, replies, scripts
 from service.store.keys import JOB_FIELD, QUEUE_GROUP, Keys
 from service.stream.params import SamplingParams
 
@@ -80,11 +80,7 @@ class RequestQueue:
         self._requeue = scripts.register(redis, "requeue")
 
     async def ensure_group(self) -> None:
-        try:
-            await self.redis.xgroup_create(self.keys.queue, QUEUE_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        await groups.ensure(self.redis, self.keys.queue, QUEUE_GROUP)
 
     async def enqueue(self, job: Job) -> bytes:
         """A job on its own (the API's jobs go in with their log, in ``create.lua``)."""
@@ -97,23 +93,17 @@ class RequestQueue:
         """New jobs for ``consumer`` (waiting up to ``block_ms``), or with ``pending`` the
         ones it was handed before and never acked (a reply lost to a connection failure).
         A group Redis lost (restarted without its data) is made again."""
-        streams: dict[Any, Any] = {self.keys.queue: "0" if pending else ">"}
-        block = None if pending else block_ms
-        try:
-            reply: Any = await self.redis.xreadgroup(
-                QUEUE_GROUP, consumer, streams, count=count, block=block
-            )
-        except ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            await self.ensure_group()
-            return []
-        out: list[tuple[bytes, Job]] = []
-        for _key, entries in reply or []:
-            for entry_id, fields in entries:
-                if fields:  # a pending entry trimmed meanwhile has none
-                    out.append((entry_id, _dec.decode(fields[JOB_FIELD])))
-        return out
+        entries = await groups.read(
+            self.redis,
+            self.keys.queue,
+            QUEUE_GROUP,
+            consumer,
+            pending=pending,
+            count=count,
+            block_ms=block_ms,
+        )
+        # a pending entry trimmed meanwhile has no fields
+        return [(eid, _dec.decode(fields[JOB_FIELD])) for eid, fields in entries if fields]
 
     async def ack(self, entry_id: bytes) -> None:
         pipe = self.redis.pipeline(transaction=False)

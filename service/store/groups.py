@@ -1,0 +1,42 @@
+"""Consumer groups (the queue's ``workers``, the outbox's ``recorders``): made once, and
+made again when Redis lost them (a restart without its data answers ``NOGROUP``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+
+async def ensure(redis: Redis, stream: str, group: str) -> None:
+    try:
+        await redis.xgroup_create(stream, group, id="0", mkstream=True)
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+async def read(
+    redis: Redis,
+    stream: str,
+    group: str,
+    consumer: str,
+    *,
+    pending: bool,
+    count: int,
+    block_ms: int,
+) -> list[tuple[Any, Any]]:
+    """``consumer``'s entries: its own unacked ones (``pending``, no wait) or new ones
+    (waiting up to ``block_ms``); ``[]`` after making a group Redis lost again."""
+    streams: dict[Any, Any] = {stream: "0" if pending else ">"}
+    try:
+        reply: Any = await redis.xreadgroup(
+            group, consumer, streams, count=count, block=None if pending else block_ms
+        )
+    except ResponseError as exc:
+        if "NOGROUP" not in str(exc):
+            raise
+        await ensure(redis, stream, group)
+        return []
+    return [entry for _key, entries in reply or [] for entry in entries]
