@@ -78,6 +78,11 @@ class Settings:
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     )
     worker_concurrency: int = 8  # requests one worker runs at once
+    worker_drain_s: float = 30.0  # on SIGTERM: running requests may finish this long, then
+    # the rest are handed over to another worker
+    max_takeovers: int = 2  # times a request's worker may be lost and another continue it
+    takeover_wait_s: float = 0.0  # how long a lost worker's request waits for another (0:
+    # until its deadline); then it ends errored worker_lost
     request_deadline_s: float = 600.0
 
     # vLLM engine (LASTEVENT_ENGINE=vllm); one worker process per engine

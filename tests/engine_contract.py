@@ -72,10 +72,15 @@ def new_id(label: str) -> str:
 
 
 async def collect(
-    engine: Engine, prompt: list[int], params: SamplingParams, label: str = "req"
+    engine: Engine,
+    prompt: list[int],
+    params: SamplingParams,
+    label: str = "req",
+    generated: list[int] | None = None,
 ) -> list[StepOutput]:
     async with asyncio.timeout(SAFETY_S):
-        return [step async for step in engine.generate(new_id(label), prompt, params)]
+        steps = engine.generate(new_id(label), prompt, params, generated or ())
+        return [step async for step in steps]
 
 
 def ids_of(steps: list[StepOutput]) -> list[int]:
@@ -179,6 +184,41 @@ class EngineContract:
                 contract_engine, prompt, SamplingParams(max_tokens=len(full) - 1, temperature=0.0)
             )
             assert ids_of(short) == full[:-1] and short[-1].finish_reason == "length"
+
+    # -- continuation (a takeover) ----------------------------------------------------
+
+    @pytest.mark.parametrize("cut", [1, 5])
+    async def test_a_continuation_is_the_rest_of_an_uninterrupted_run(
+        self, contract_engine: Engine, model: ModelInfo, cut: int
+    ) -> None:
+        """``generated`` = the first ids of a greedy run: the engine makes the rest of it,
+        and ``max_tokens`` counts the ids it was given (it ends ``length`` in the same place)."""
+        params = SamplingParams(max_tokens=10, temperature=0.0)
+        prompt = chat_ids(model, LONG)
+        whole = ids_of(await collect(contract_engine, prompt, params, "whole"))
+        rest = await collect(contract_engine, prompt, params, "rest", whole[:cut])
+        assert_well_formed(rest)
+        assert ids_of(rest) == whole[cut:]
+        assert rest[-1].finish_reason == "length"
+
+    async def test_a_continuation_up_to_the_eos(
+        self, contract_engine: Engine, model: ModelInfo
+    ) -> None:
+        params = SamplingParams(max_tokens=EOS_WITHIN, temperature=0.0)
+        prompt = chat_ids(model, SHORT)
+        whole = ids_of(await collect(contract_engine, prompt, params, "whole"))
+        assert whole[-1] in model.eos_token_ids
+        rest = await collect(contract_engine, prompt, params, "rest", whole[:-2])
+        assert ids_of(rest) == whole[-2:] and rest[-1].finish_reason == "stop"
+
+    async def test_a_continuation_with_no_tokens_left_ends_with_length(
+        self, contract_engine: Engine, model: ModelInfo
+    ) -> None:
+        params = SamplingParams(max_tokens=3, temperature=0.0)
+        prompt = chat_ids(model, LONG)
+        whole = ids_of(await collect(contract_engine, prompt, params, "whole"))
+        rest = await collect(contract_engine, prompt, params, "rest", whole)
+        assert ids_of(rest) == [] and rest[-1].finish_reason == "length"
 
     # -- determinism -----------------------------------------------------------------
 

@@ -5,6 +5,12 @@ Per request: take ownership (owner epoch), run it through the engine
 outbox entry (the recorder turns that into the billing row), then ack the job. The
 presence watch (``presence.PresenceWatch``) turns cancels and departed readers into
 abort decisions; a heartbeat tells the API processes this worker is alive.
+
+A request another worker started and lost (the sweeper queued it again) or handed over
+is continued from its log: the claim bumps the owner epoch past the old owner's, and the
+generation resumes after the log's last delta. On SIGTERM the worker stops claiming,
+lets running requests finish for ``worker_drain_s``, then hands the rest over (queues
+them again for another worker, fenced by its epoch) and exits.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import time
 
@@ -29,24 +36,25 @@ from service.store.log import (
     LogGap,
     LogGone,
     Owner,
+    Recovery,
     RedisLog,
 )
 from service.store.outbox import Outbox
-from service.store.queue import Heartbeat, Heartbeats, Job, RequestQueue
-from service.stream.events import Created, End, Summary, encode_summary, summarize
+from service.store.queue import Heartbeat, Heartbeats, Job, RequestQueue, wait_for_takeover
+from service.stream.events import Created, Delta, End, Summary, encode_summary, summarize
 from service.stream.ids import EventId
-from service.stream.lifecycle import State
+from service.stream.lifecycle import Requeue, State
 from service.tokenize import ModelInfo
 from workers.decide import wasted_tokens
 from workers.engines.base import Engine
 from workers.generate import Generation, Outcome
-from workers.metrics import ABORTS, WASTED_TOKENS
+from workers.metrics import ABORTS, CONTINUED, REPREFILL_TOKENS, WASTED_TOKENS
 from workers.presence import PresenceWatch
 
 log = logging.getLogger(__name__)
 
 MAX_CLAIM_BURST = 64  # jobs taken in one queue read
-SERVED_REMEMBERED = 10_000  # request ids this worker ran, never to be run again by it
+SERVED_REMEMBERED = 10_000  # queue entries this worker ran, never to be run again by it
 END_MARGIN_S = 60.0  # a request's end is retried this long past its deadline
 INTERNAL = "the worker failed while serving this request"
 LOG_LOST = "Redis lost part of this request's log (it restarted without all of its data)"
@@ -66,6 +74,7 @@ class Runner:
         self.generation = Generation(engine, model, self.batcher, settings.request_deadline_s)
         self.running: set[str] = set()  # request ids inside the engine
         self.decisions: dict[str, State] = {}  # cancel / abandon decisions not yet applied
+        self.handing_over: set[str] = set()  # stopping: these go to another worker
         self.watch = PresenceWatch(
             self.control,
             settings.worker_id,
@@ -77,7 +86,9 @@ class Runner:
         self._tasks: set[asyncio.Task[None]] = set()
         self._aborts: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
-        self._served: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._served: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._serving: dict[bytes, asyncio.Task[None]] = {}  # queue entry -> its task
+        self.handed_over = 0  # requests this worker handed over when it stopped
 
     def stop(self) -> None:
         self._stopping.set()
@@ -117,15 +128,21 @@ class Runner:
                 # a read whose reply was lost left its jobs pending under this worker
                 lost_reply = True
                 await asyncio.sleep(0.5)
-            serving = {t.get_name() for t in self._tasks}
-            jobs = [(e, j) for e, j in jobs if j.request_id not in serving][:taken]
+            # a pending re-read hands back entries this worker is serving already
+            jobs = [(e, j) for e, j in jobs if e not in self._serving][:taken]
             for _ in range(taken - len(jobs)):
                 slots.release()
             for entry_id, job in jobs:
-                task = asyncio.create_task(self._serve(entry_id, job), name=job.request_id)
+                prior = [t for t in self._tasks if t.get_name() == job.request_id]
+                task = asyncio.create_task(self._serve(entry_id, job, prior), name=job.request_id)
                 self._tasks.add(task)
+                self._serving[entry_id] = task
                 task.add_done_callback(self._tasks.discard)
+                task.add_done_callback(functools.partial(self._served_entry, entry_id))
                 task.add_done_callback(lambda _t: slots.release())
+
+    def _served_entry(self, entry_id: bytes, _task: asyncio.Task[None]) -> None:
+        self._serving.pop(entry_id, None)
 
     def decide(self, rid: str, state: State) -> None:
         """Cancel or abandon: abort the engine now; the generation writes the end."""
@@ -141,39 +158,54 @@ class Runner:
         """Tell the API processes this worker is alive, its slots, and how long requests take
         (what the 503 "queue would wait too long" estimate is made of)."""
         while True:
-            if not self._stopping.is_set():
-                beat = Heartbeat(
-                    self.settings.worker_concurrency,
-                    len(self._tasks),
-                    int(time.time() * 1000),
-                    int(self.mean_service_ms),
-                    frozenset(t.get_name() for t in self._tasks),
-                )
-                try:
-                    await self.heartbeats.beat(self.settings.worker_id, beat)
-                except RedisError as exc:
-                    log.warning("heartbeat failed: %s", exc)
+            stopping = self._stopping.is_set()  # still alive, but no slots for admission
+            beat = Heartbeat(
+                0 if stopping else self.settings.worker_concurrency,
+                0 if stopping else len(self._tasks),
+                int(time.time() * 1000),
+                int(self.mean_service_ms),
+                frozenset(t.get_name() for t in self._tasks),
+            )
+            try:
+                await self.heartbeats.beat(self.settings.worker_id, beat)
+            except RedisError as exc:
+                log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(1.0)
 
     async def _drain(self) -> None:
-        """Let running requests finish (bounded by their deadlines)."""
+        """Let running requests finish for ``worker_drain_s``; hand the rest over."""
         if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            _, left = await asyncio.wait(set(self._tasks), timeout=self.settings.worker_drain_s)
+            if left:
+                log.info("handing %d requests over to other workers", len(left))
+                for task in left:
+                    rid = task.get_name()
+                    self.handing_over.add(rid)
+                    aborting = asyncio.create_task(self.engine.abort(rid))
+                    self._aborts.add(aborting)
+                    aborting.add_done_callback(self._aborts.discard)
+                await asyncio.gather(*left, return_exceptions=True)
         if self._aborts:
             await asyncio.wait(self._aborts, timeout=5)
 
-    async def _serve(self, entry_id: bytes, job: Job) -> None:
+    async def _serve(self, entry_id: bytes, job: Job, prior: list[asyncio.Task[None]]) -> None:
         rid = job.request_id
         owner: Owner | None = None
         first: tuple[EventId, Created] | None = None
-        if rid in self._served:
+        if entry_id in self._served:
             # handed to this worker again after it served it: Redis lost the end (and the
             # ack) in a restart. Never run it twice: end it errored if its end is gone.
             await self._end_errored(entry_id, job, None, "log_lost", LOG_LOST)
             return
-        self._served[rid] = None
+        self._served[entry_id] = None
         while len(self._served) > SERVED_REMEMBERED:
             self._served.popitem(last=False)
+        if prior:
+            # queued again while this worker still ran it (it was frozen past its
+            # heartbeat): the old run is fenced out; let it stop before this one starts
+            with contextlib.suppress(Exception):
+                await self.engine.abort(rid)
+            await asyncio.wait(prior)
         try:
             owner = await self.log.claim(rid, self.settings.worker_id, entry_id)
             if owner is None:  # expired, ended, or queued again (this worker was frozen)
@@ -181,14 +213,20 @@ class Runner:
                 return
             dispatched_ms = int(time.time() * 1000)
             first = await self.log.first_with_id(rid)
+            logged, recovery = await self._continued(job, owner)
             self.running.add(rid)
             try:
-                outcome = await self.generation.run(job, owner, self.decisions)
+                outcome = await self.generation.run(
+                    job, owner, self.decisions, logged=logged, handing_over=self.handing_over
+                )
             finally:
                 self.running.discard(rid)
                 self.decisions.pop(rid, None)
                 self.watch.forget(rid)
-            await self._end(job, owner, first, outcome, dispatched_ms)
+            if outcome.handed_over:
+                await self._hand_over(entry_id, job, owner)
+                return
+            await self._end(job, owner, first, outcome, dispatched_ms, recovery)
             await self.queue.ack(entry_id)
             took_ms = time.time() * 1000 - dispatched_ms
             self.mean_service_ms = (
@@ -211,6 +249,50 @@ class Runner:
             log.exception("request %s failed in the worker", rid)
             await self._end_errored(entry_id, job, owner, "internal_error", INTERNAL)
 
+    async def _continued(self, job: Job, owner: Owner) -> tuple[list[Delta], Recovery]:
+        """A request another worker started (its epoch is past the first claim's): the
+        deltas in its log, and its recovery counts with the tokens this worker prefills
+        again. A first run: nothing to continue."""
+        if owner.epoch <= 1:
+            return [], Recovery()
+        logged = [e for _, e in await self.log.read(job.request_id) if isinstance(e, Delta)]
+        reprefill = len(job.prompt_token_ids) + sum(len(d.token_ids) for d in logged)
+        recovery = await self.log.resumed(owner, reprefill)
+        CONTINUED.inc()
+        REPREFILL_TOKENS.inc(reprefill)
+        log.info(
+            "request %s: continuing it after %d completion tokens (takeovers %d, handovers %d)",
+            job.request_id,
+            reprefill - len(job.prompt_token_ids),
+            recovery.takeovers,
+            recovery.handovers,
+        )
+        return logged, recovery
+
+    async def _hand_over(self, entry_id: bytes, job: Job, owner: Owner) -> None:
+        """Stopping: queue the request again for another worker to continue (everything
+        this worker released is in the log already). If Redis cannot be reached the job
+        stays pending under this worker, and the sweeper takes it over as lost."""
+        try:
+            done = await self.queue.requeue(
+                job.request_id,
+                entry_id,
+                Requeue.HANDOVER,
+                epoch=owner.epoch,
+                wait_until_ms=int(self._wait_for_takeover(job) * 1000),
+            )
+        except RedisError:
+            log.exception("request %s: could not hand it over", job.request_id)
+            return
+        if done.entry_id is not None:
+            self.handed_over += 1
+            log.info("request %s: handed over to another worker", job.request_id)
+
+    def _wait_for_takeover(self, job: Job) -> float:
+        return wait_for_takeover(
+            job, self.settings.takeover_wait_s, self.settings.request_deadline_s
+        )
+
     async def _end(
         self,
         job: Job,
@@ -218,11 +300,15 @@ class Runner:
         first: tuple[EventId, Created] | None,
         outcome: Outcome,
         dispatched_ms: int,
+        recovery: Recovery,
     ) -> None:
         """The terminal event, with its waste count and outbox summary, in one append."""
         rid = job.request_id
         end = outcome.events[-1]
         assert isinstance(end, End)
+        end.takeovers = recovery.takeovers
+        end.handovers = recovery.handovers
+        end.reprefill_tokens = recovery.reprefill_tokens
         delivered: int | None = None
         if end.state == State.ABANDONED:
             # nobody came back within the grace period: what no reader got was wasted. Any

@@ -125,6 +125,9 @@ async def serving(settings: Settings, model: ModelInfo, drain: Drain) -> AsyncIt
         sweeper_id=f"sweeper-{uuid.uuid4().hex[:8]}",
         stale_s=settings.worker_stale_s,
         hot_log_ttl_s=settings.hot_log_ttl_s,
+        max_takeovers=settings.max_takeovers,
+        takeover_wait_s=settings.takeover_wait_s,
+        request_deadline_s=settings.request_deadline_s,
     )
     sweeping = asyncio.create_task(sweeper.run(), name="sweeper")
     try:

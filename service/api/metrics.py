@@ -9,4 +9,9 @@ REQUESTS = Counter(
 )
 REJECTED = Counter("lastevent_rejected_total", "Requests answered with an error status", ["status"])
 READERS = Gauge("lastevent_readers", "Readers following a log in this API process")
+REQUEUED = Counter(
+    "lastevent_requeued_total",
+    "Jobs queued again by the sweeper (reason: lost = a started request's worker was lost)",
+    ["reason"],
+)
 RESUMES = Counter("lastevent_resumes_total", "Event-stream reads that started after a cursor")

@@ -5,13 +5,16 @@ the request's terminal event is written. Every API process sweeps the pending jo
 nobody serves: those of a worker whose heartbeat is stale (killed, frozen), and those of
 a live worker that its heartbeat does not name (it lost them: a read whose reply was
 lost). Such a job, once idle for ``stale_s`` (and moved to the sweeper, so that one
-sweeper wins):
+sweeper wins), is queued again (``requeue.lua``) behind a new entry, which is the only
+one that may claim it, so a frozen worker that wakes up does nothing:
 
-* never started (still ``queued``): queued again (``requeue.lua``), for another worker;
-  the old entry can no longer claim it, so a frozen worker that wakes up does nothing;
-* started: its ownership is taken (a new owner epoch fences the old worker out) and the
-  log gets an in-band ``error`` (``worker_lost``) and the terminal ``errored`` event,
-  with its outbox entry for billing. Readers see the error and the stream ends.
+* never started (still ``queued``): another worker simply runs it;
+* started: the owner epoch is bumped (the old worker is fenced out at once) and the next
+  worker continues the request from its log (a takeover: ``workers/runner.py``). A
+  request whose workers were lost ``max_takeovers`` times already is ended instead: an
+  in-band ``error`` (``worker_lost``) and the terminal ``errored`` event, with its
+  outbox entry for billing. So is one that no worker took within its wait (the
+  request's deadline, or ``takeover_wait_s``): readers see the error and the stream ends.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ import asyncio
 import logging
 import time
 
+from service.api.metrics import REQUEUED
 from service.store.log import LogError, RedisLog
-from service.store.queue import Heartbeats, RequestQueue
+from service.store.queue import Heartbeats, Job, RequestQueue, wait_for_takeover
+from service.stream.lifecycle import Requeue, State
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +42,9 @@ class Sweeper:
         stale_s: float = 5.0,
         interval_s: float = 2.0,
         hot_log_ttl_s: int = 3600,
+        max_takeovers: int = 2,
+        takeover_wait_s: float = 0.0,
+        request_deadline_s: float = 600.0,
     ) -> None:
         self.log = log_
         self.queue = queue
@@ -45,6 +53,9 @@ class Sweeper:
         self.stale_s = stale_s
         self.interval_s = interval_s
         self.hot_log_ttl_s = hot_log_ttl_s
+        self.max_takeovers = max_takeovers
+        self.takeover_wait_s = takeover_wait_s  # 0: until the request's deadline
+        self.request_deadline_s = request_deadline_s
         self.swept = 0
 
     async def run(self) -> None:
@@ -52,6 +63,7 @@ class Sweeper:
             await asyncio.sleep(self.interval_s)
             try:
                 await self.sweep()
+                await self.end_unclaimed()
             except Exception:  # the next round tries again
                 log.warning("sweep failed", exc_info=True)
 
@@ -76,26 +88,59 @@ class Sweeper:
                     continue  # another sweeper took it, or the worker acted meanwhile
                 if p.job is None:
                     await self.queue.ack(p.entry_id)
-                elif await self.queue.requeue(p.job.request_id, p.entry_id):
-                    log.warning(
-                        "request %s: never started by %s; queued again", p.job.request_id, consumer
-                    )
                 else:
-                    await self._fail(p.job.request_id, consumer)
-                    await self.queue.ack(p.entry_id)
+                    await self._requeue(p.entry_id, p.job, consumer)
                 swept += 1
         self.swept += swept
         return swept
 
-    async def _fail(self, rid: str, worker: str) -> None:
+    async def _requeue(self, entry_id: bytes, job: Job, worker: str) -> None:
+        rid = job.request_id
+        done = await self.queue.requeue(
+            rid,
+            entry_id,
+            Requeue.LOST,
+            max_takeovers=self.max_takeovers,
+            wait_until_ms=int(
+                wait_for_takeover(job, self.takeover_wait_s, self.request_deadline_s) * 1000
+            ),
+        )
+        if done.entry_id is not None:
+            REQUEUED.labels(reason=str(Requeue.LOST)).inc()
+            log.warning("request %s: its worker %s is lost; queued again", rid, worker)
+            return
+        if done.exhausted is not None:
+            times = done.exhausted + 1
+            await self._fail(
+                rid,
+                worker,
+                f"the worker running this request ({worker}) stopped responding; its "
+                f"workers were lost {times} times (at most {self.max_takeovers} takeovers)",
+            )
+        # else: it ended, or waits behind another entry: this one is stale
+        await self.queue.ack(entry_id)
+
+    async def end_unclaimed(self) -> int:
+        """End the requests queued again for a takeover that no worker took in time."""
+        ended = 0
+        for rid in await self.queue.orphans_due(int(time.time() * 1000)):
+            meta = await self.log.meta(rid)
+            if meta is not None and meta.state == State.RUNNING and not meta.owner:
+                await self._fail(
+                    rid, "none", "no worker was available to continue this request in time"
+                )
+                ended += 1
+            await self.queue.forget_orphan(rid)
+        return ended
+
+    async def _fail(self, rid: str, worker: str, message: str) -> None:
         owner = await self.log.claim(rid, self.sweeper_id)
         if owner is None:  # it ended after all, or expired
             return
-        message = f"the worker running this request ({worker}) stopped responding"
         try:
             await self.log.end_errored(
                 rid, owner.epoch, "worker_lost", message, ttl_s=self.hot_log_ttl_s, worker_id=worker
             )
-            log.warning("request %s: worker %s lost; ended errored", rid, worker)
+            log.warning("request %s: ended errored: %s", rid, message)
         except LogError as exc:
             log.warning("request %s: could not end it: %s", rid, exc)

@@ -30,6 +30,9 @@ COMPARED = (
     "completion_tokens",
     "total_tokens",
     "wasted_tokens",
+    "takeovers",
+    "handovers",
+    "reprefill_tokens",
     "last_event_id",
 )
 
@@ -106,6 +109,7 @@ EXPORT_FIELDS = (
     "completion_tokens",
     "total_tokens",
     "wasted_tokens",
+    "reprefill_tokens",
 )
 
 

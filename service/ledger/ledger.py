@@ -136,6 +136,9 @@ def row_values(s: Summary, end_id: str) -> dict[str, Any]:
         "completion_tokens": s.completion_tokens,
         "total_tokens": s.prompt_tokens + s.completion_tokens,
         "wasted_tokens": s.wasted_tokens,
+        "takeovers": s.takeovers,
+        "handovers": s.handovers,
+        "reprefill_tokens": s.reprefill_tokens,
         "error_code": s.error_code,
         "worker_id": s.worker_id,
         "last_event_id": end_id,
@@ -235,6 +238,7 @@ class Ledger:
                     func.sum(RequestRow.completion_tokens).label("completion_tokens"),
                     func.sum(RequestRow.total_tokens).label("total_tokens"),
                     func.sum(RequestRow.wasted_tokens).label("wasted_tokens"),
+                    func.sum(RequestRow.reprefill_tokens).label("reprefill_tokens"),
                 )
                 .where(RequestRow.ended_at >= since, RequestRow.ended_at < until)
                 .group_by(RequestRow.tenant, RequestRow.model)

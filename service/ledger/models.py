@@ -50,6 +50,11 @@ class RequestRow(Base):
     completion_tokens: Mapped[int] = mapped_column(Integer)
     total_tokens: Mapped[int] = mapped_column(Integer)
     wasted_tokens: Mapped[int] = mapped_column(Integer, server_default="0")
+    # the cost of recovery: times another worker continued it after its worker was lost
+    # / after a stopping worker handed it over; prompt + logged tokens prefilled again
+    takeovers: Mapped[int] = mapped_column(Integer, server_default="0")
+    handovers: Mapped[int] = mapped_column(Integer, server_default="0")
+    reprefill_tokens: Mapped[int] = mapped_column(Integer, server_default="0")
     error_code: Mapped[str | None] = mapped_column(String(64))
     worker_id: Mapped[str | None] = mapped_column(Text)
     last_event_id: Mapped[str | None] = mapped_column(String(48))

@@ -41,6 +41,12 @@ class Keys:
         return f"{self.prefix}:{{{request_id}}}:meta"
 
     @property
+    def orphans(self) -> str:
+        """Started requests queued again for another worker to continue (a takeover or a
+        handover): a sorted set, request id -> when to stop waiting for a worker (ms)."""
+        return f"{self.prefix}:orphans"
+
+    @property
     def outbox(self) -> str:
         """Terminal summaries, appended atomically with each terminal event (a stream;
         consumer group ``recorders``)."""

@@ -80,6 +80,7 @@ class RequestMeta:
     epoch: int
     owner: str | None
     last_event_id: str | None
+    recovery: Recovery = dataclasses.field(default_factory=lambda: Recovery())
 
 
 class RedisLog:
@@ -89,6 +90,7 @@ class RedisLog:
         self._create = scripts.register(redis, "create")
         self._claim = scripts.register(redis, "claim")
         self._append = scripts.register(redis, "append")
+        self._resumed = scripts.register(redis, "resumed")
 
     async def create(
         self,
@@ -137,6 +139,18 @@ class RedisLog:
         if epoch <= 0:
             return None
         return Owner(request_id, epoch, replies.integer(raw[1]))
+
+    async def resumed(self, owner: Owner, reprefill_tokens: int) -> Recovery:
+        """The owner continues a request another worker started, prefilling
+        ``reprefill_tokens`` again: the request's recovery counts so far, this one included.
+        Raises ``Fenced`` if the caller is not the owner any more."""
+        raw = await self._resumed(
+            keys=[self.keys.meta(owner.request_id)], args=[owner.epoch, reprefill_tokens]
+        )
+        if not raw:
+            raise Fenced(f"request {owner.request_id}: not owned by epoch {owner.epoch}")
+        takeovers, handovers, reprefill = (replies.integer(x) for x in raw)
+        return Recovery(takeovers, handovers, reprefill)
 
     async def append(
         self,
@@ -219,7 +233,17 @@ class RedisLog:
             first = (entries[0][0], entries[0][1])
             prompt_tokens = first[1].prompt_tokens
         completion = max((e.n for _, e in entries if isinstance(e, ev.Delta)), default=0)
-        end = ev.End(str(State.ERRORED), None, prompt_tokens, completion)
+        meta = await self.meta(request_id)
+        recovery = meta.recovery if meta is not None else Recovery()
+        end = ev.End(
+            str(State.ERRORED),
+            None,
+            prompt_tokens,
+            completion,
+            takeovers=recovery.takeovers,
+            handovers=recovery.handovers,
+            reprefill_tokens=recovery.reprefill_tokens,
+        )
         summary = ev.summarize(
             request_id,
             first,
@@ -249,6 +273,11 @@ class RedisLog:
             epoch=replies.integer(replies.field(raw, Meta.EPOCH)),
             owner=replies.text_or_none(replies.field(raw, Meta.OWNER)),
             last_event_id=replies.text_or_none(replies.field(raw, Meta.LAST)),
+            recovery=Recovery(
+                replies.integer(replies.field(raw, Meta.TAKEOVERS) or 0),
+                replies.integer(replies.field(raw, Meta.HANDOVERS) or 0),
+                replies.integer(replies.field(raw, Meta.REPREFILL) or 0),
+            ),
         )
 
     async def read(
@@ -307,6 +336,16 @@ class Append:
     summary: bytes = b""
     expect: int | None = None  # entries the log holds before these (None: no check)
     inflight_key: str = ""  # the API key's in-flight set, freed at the terminal event
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Recovery:
+    """A continued request's counts: times its worker was lost (takeovers), times a stopping
+    worker handed it over, tokens prefilled again to continue it."""
+
+    takeovers: int = 0
+    handovers: int = 0
+    reprefill_tokens: int = 0
 
 
 @dataclasses.dataclass(slots=True)

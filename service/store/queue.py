@@ -18,6 +18,7 @@ from redis.exceptions import ResponseError
 
 from service.store import groups, replies, scripts
 from service.store.keys import JOB_FIELD, QUEUE_GROUP, Keys
+from service.stream.lifecycle import Requeue
 from service.stream.params import SamplingParams
 
 
@@ -53,6 +54,14 @@ class Heartbeat:
         return now_ms - self.unix_ms <= stale_s * 1000
 
 
+def wait_for_takeover(job: Job, wait_s: float, default_deadline_s: float) -> float:
+    """Until when (unix s) a started request queued again waits for a worker to continue
+    it: its deadline, or ``wait_s`` from now if that is sooner (0: no such bound)."""
+    now = time.time()
+    deadline = job.deadline_unix_s or now + default_deadline_s
+    return min(deadline, now + wait_s) if wait_s > 0 else deadline
+
+
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Job)
 
@@ -64,6 +73,15 @@ def decode_job(data: bytes) -> Job:
 def encode_job(job: Job) -> bytes:
     """The queue entry's payload (field ``JOB_FIELD``; ``create.lua`` writes it)."""
     return _enc.encode(job)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Requeued:
+    """What ``RequestQueue.requeue`` did: the new entry, or (``exhausted``: how many
+    takeovers the request had) nothing because it was lost too often, or neither."""
+
+    entry_id: bytes | None
+    exhausted: int | None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -160,14 +178,49 @@ class RequestQueue:
         )
         return [c if isinstance(c, bytes) else replies.text(c).encode() for c in claimed]
 
-    async def requeue(self, request_id: str, entry_id: bytes) -> bool:
-        """Queue a job again that was taken but never started; False if it has started
-        (or ended, or was queued again already)."""
-        new = await self._requeue(
-            keys=[self.keys.meta(request_id), self.keys.queue],
-            args=[entry_id, QUEUE_GROUP],
+    async def requeue(
+        self,
+        request_id: str,
+        entry_id: bytes,
+        why: Requeue = Requeue.LOST,
+        *,
+        max_takeovers: int = 0,
+        epoch: int | None = None,
+        wait_until_ms: int = 0,
+    ) -> Requeued:
+        """Queue a job again behind a new entry: one taken but never started, or a started
+        one for another worker to continue (``why``: its worker was lost, or hands it over
+        with its ``epoch``). ``wait_until_ms``: when the sweeper stops waiting for a worker
+        to take a started one (``orphans``). ``max_takeovers``: how many losses a request
+        may have been through before it is no longer queued again (``exhausted``)."""
+        raw = await self._requeue(
+            keys=[self.keys.meta(request_id), self.keys.queue, self.keys.orphans],
+            args=[
+                entry_id,
+                QUEUE_GROUP,
+                str(why),
+                max_takeovers,
+                "" if epoch is None else epoch,
+                request_id,
+                wait_until_ms,
+            ],
         )
-        return new is not None
+        if not raw:
+            return Requeued(None, None)
+        status = replies.text(raw[0])
+        if status == "EXHAUSTED":
+            return Requeued(None, replies.integer(raw[1]))
+        return Requeued(replies.text(raw[1]).encode(), None)
+
+    async def orphans_due(self, now_ms: int, count: int = 100) -> list[str]:
+        """Started requests queued again whose wait for a worker is over."""
+        raw: Any = await self.redis.zrangebyscore(
+            self.keys.orphans, "-inf", now_ms, start=0, num=count
+        )
+        return [replies.text(r) for r in raw]
+
+    async def forget_orphan(self, request_id: str) -> None:
+        await self.redis.zrem(self.keys.orphans, request_id)
 
 
 class Heartbeats:

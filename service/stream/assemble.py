@@ -21,6 +21,10 @@ from service.stream.holdback import Holdback
 from service.stream.lifecycle import FinishReason, State
 
 
+class ResumeMismatch(ValueError):
+    """A log's token ids do not decode to its text: it cannot be continued exactly."""
+
+
 @dataclasses.dataclass(slots=True)
 class StepResult:
     events: list[Event]
@@ -42,7 +46,44 @@ class Assembler:
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self._unsent_ids: list[int] = []
+        self._ids: list[int] = []
         self.ended = False
+
+    @classmethod
+    def resume(
+        cls,
+        tokenizer: Tokenizer,
+        logged: Sequence[Delta],
+        *,
+        prompt_tokens: int,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+    ) -> tuple[Assembler, StepResult]:
+        """The assembler as it was after ``logged`` (a log's deltas, in order), and what it
+        releases at once (nothing, unless the log was written by other rules); ``stopped``
+        when the logged ids already complete a stop string. Raises ``ResumeMismatch`` if
+        the logged ids do not decode to the logged text (another tokenizer)."""
+        asm = cls(tokenizer, prompt_tokens=prompt_tokens, stop=stop, stop_token_ids=stop_token_ids)
+        shown = "".join(d.text for d in logged)
+        made = "".join(
+            asm._detok.step(t for t in d.token_ids if t not in asm._stop_ids) for d in logged
+        )
+        asm._ids = [t for d in logged for t in d.token_ids]
+        asm.completion_tokens = len(asm._ids)
+        if not made.startswith(shown):
+            raise ResumeMismatch(
+                f"the log's {asm.completion_tokens} token ids decode to text that does not "
+                "start with the log's text"
+            )
+        held = made[len(shown) :]
+        released, stopped = asm._holdback.feed(held) if held else ("", False)
+        return asm, StepResult(asm._delta(released), stopped)
+
+    @property
+    def token_ids(self) -> Sequence[int]:
+        """Every completion id consumed so far (what a continuation prefills after the
+        prompt)."""
+        return self._ids
 
     def step(self, token_ids: Sequence[int]) -> StepResult:
         if self.ended or self._holdback.stopped:
@@ -51,6 +92,7 @@ class Assembler:
             return StepResult([], True)
         self.completion_tokens += len(token_ids)
         self._unsent_ids.extend(token_ids)
+        self._ids.extend(token_ids)
         text = self._detok.step(t for t in token_ids if t not in self._stop_ids)
         released, stopped = self._holdback.feed(text) if text else ("", False)
         events: list[Event] = []

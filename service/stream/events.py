@@ -63,6 +63,12 @@ class End(_Event, tag="e"):
     prompt_tokens: int
     completion_tokens: int
     wasted_tokens: int = 0  # generated but never delivered to any reader (aborts)
+    # the cost of recovery, apart from the usage: times another worker continued the
+    # request after its worker was lost / after a stopping worker handed it over, and
+    # the prompt + logged tokens those workers prefilled again to continue it
+    takeovers: int = 0
+    handovers: int = 0
+    reprefill_tokens: int = 0
 
 
 Event = Created | Delta | Error | End
@@ -97,6 +103,10 @@ class Summary(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     worker_id: str | None = None
     tenant: str | None = None
     api_key_id: str | None = None
+    # (new fields go last: entries are arrays, and the outbox may hold older ones)
+    takeovers: int = 0
+    handovers: int = 0
+    reprefill_tokens: int = 0
 
 
 def summarize(
@@ -120,6 +130,9 @@ def summarize(
         prompt_tokens=end.prompt_tokens,
         completion_tokens=end.completion_tokens,
         wasted_tokens=end.wasted_tokens,
+        takeovers=end.takeovers,
+        handovers=end.handovers,
+        reprefill_tokens=end.reprefill_tokens,
         tenant=created.tenant if created else None,
         api_key_id=created.api_key_id if created else None,
         **extra,

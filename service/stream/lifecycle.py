@@ -8,9 +8,11 @@ field itself (a test fails if one does).
     queued --claim--> running --append(End)--> finished | cancelled | abandoned | errored
        \\--cancel (still queued)--> cancelled
 
-Every accepted request reaches exactly one terminal state. ``claim`` may happen
-again on a running request (a sweeper or another worker takes it over): it bumps
-the owner epoch, which fences the previous owner's appends out.
+Every accepted request reaches exactly one terminal state. A running request
+whose worker is lost (or stops) is queued again (``requeue.lua``): that bumps the owner
+epoch, which fences the previous owner's appends out, and the next worker's ``claim``
+continues it from its log (a takeover). ``claim`` by a sweeper ends a request nobody
+can continue.
 """
 
 from __future__ import annotations
@@ -75,6 +77,16 @@ class Meta(enum.StrEnum):
     DELIVERED = "delivered"  # the most completion tokens any reader's connection was sent
     EVENTS = "events"  # entries in the log: where the next append must start (idempotence)
     ENTRY = "entry"  # the request's current queue entry: only its holder may claim it
+    TAKEOVERS = "takeovers"  # times its worker was lost and another one continued it
+    HANDOVERS = "handovers"  # times a stopping worker handed it over (SIGTERM)
+    REPREFILL = "reprefill"  # tokens prefilled again by the workers that continued it
+
+
+class Requeue(enum.StrEnum):
+    """Why a started request is queued again for another worker to continue."""
+
+    LOST = "lost"  # its worker died or froze (the sweeper): counts against max_takeovers
+    HANDOVER = "handover"  # its worker is stopping (SIGTERM) and hands it over
 
 
 def lua_prelude() -> str:
@@ -83,10 +95,12 @@ def lua_prelude() -> str:
     terminal = ", ".join(f"{s.value}=true" for s in sorted(TERMINAL_STATES))
     meta = ", ".join(f"{m.name.lower()}='{m.value}'" for m in Meta)
     verdicts = ", ".join(f"{v.name}={v.value}" for v in Verdict)
+    why = ", ".join(f"{r.name}='{r.value}'" for r in Requeue)
     return (
         "-- generated from service/stream/lifecycle.py\n"
         f"local S = {{{states}}}\n"
         f"local TERMINAL = {{{terminal}}}\n"
         f"local M = {{{meta}}}\n"
         f"local V = {{{verdicts}}}\n"
+        f"local R = {{{why}}}\n"
     )

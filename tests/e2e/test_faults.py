@@ -146,17 +146,25 @@ def test_a_reader_that_vanishes_is_unsubscribed(stalled: Stack) -> None:
     wait_until(lambda: _readers(stalled.url) == 0, "the reader to be unsubscribed")
 
 
-def test_a_worker_killed_mid_answer_ends_the_stream_with_an_error(
+def test_a_worker_killed_mid_answer_with_no_other_ends_the_stream_with_an_error(
     tmp_path: Path, redis_url: str, database_url: str, model_dir: Path
 ) -> None:
-    """kill -9 the only worker: the sweeper notices its stale heartbeat, the stream gets an
-    in-band worker_lost error, the request ends errored and is billed for what was made."""
+    """kill -9 the only worker: the sweeper notices its stale heartbeat and queues the
+    request for a takeover; no worker takes it within ``takeover_wait_s``, so the stream
+    gets an in-band worker_lost error, the request ends errored and is billed for what was
+    made (the takeover it waited for counted). Takeovers that happen: test_takeover.py."""
     import signal
 
     from tests.e2e.conftest import make_stack
 
     st = make_stack(
-        tmp_path, redis_url, database_url, model_dir, scripted_tokens_per_s=20.0, worker_stale_s=2.0
+        tmp_path,
+        redis_url,
+        database_url,
+        model_dir,
+        scripted_tokens_per_s=20.0,
+        worker_stale_s=2.0,
+        takeover_wait_s=2.0,
     )
     try:
         worker = st.start_worker()
@@ -178,7 +186,7 @@ def test_a_worker_killed_mid_answer_ends_the_stream_with_an_error(
         took = time.monotonic() - killed_at
         print(
             f"\nworker killed: stream ended with worker_lost after {took * 1000:.0f} ms "
-            f"(heartbeat stale after 2000 ms, sweep every 2000 ms)"
+            f"(heartbeat stale after 2000 ms, sweep every 2000 ms, takeover wait 2000 ms)"
         )
         assert _error_event(events)["code"] == "worker_lost"
         assert events[-1].data != "[DONE]" and LONG.startswith(content_of(events))
@@ -189,5 +197,6 @@ def test_a_worker_killed_mid_answer_ends_the_stream_with_an_error(
         row = ledger_row(database_url, rid)
         assert row is not None and row["state"] == "errored"
         assert row["error_code"] == "worker_lost" and row["completion_tokens"] >= 4
+        assert row["takeovers"] == 1
     finally:
         st.stop()

@@ -11,10 +11,10 @@ from redis.asyncio import Redis
 
 from service.api.sweeper import Sweeper
 from service.store.keys import Keys
-from service.store.log import RedisLog
+from service.store.log import Fenced, Recovery, RedisLog
 from service.store.queue import Heartbeat, Heartbeats, Job, RequestQueue, encode_job
 from service.stream import events as ev
-from service.stream.lifecycle import State
+from service.stream.lifecycle import Requeue, State
 from service.stream.params import SamplingParams
 
 pytestmark = pytest.mark.timeout(30)
@@ -56,20 +56,112 @@ async def test_a_job_a_frozen_worker_took_is_queued_again(redis: Redis, key_pref
     assert (await log.meta(rid)).owner == "healthy"  # type: ignore[union-attr]
 
 
-async def test_a_started_job_of_a_dead_worker_ends_worker_lost(redis: Redis, key_prefix: str):
+async def lose(log: RedisLog, queue: RequestQueue, beats: Heartbeats, rid: str, worker: str):
+    """``worker`` reads the request's job, claims it, writes a delta, and dies."""
+    [(entry, _)] = await queue.read(worker, count=1, block_ms=100)
+    owner = await log.claim(rid, worker, entry)
+    assert owner is not None
+    await log.append(rid, owner.epoch, [ev.Delta("hi", [5], 1)])
+    await beats.beat(worker, Heartbeat(1, 1, int(time.time() * 1000) - 60_000, 0))
+    time.sleep(0.1)  # the entry's idle time: the sweeper only takes what idled stale_s
+    return entry, owner
+
+
+async def test_a_started_job_of_a_dead_worker_is_queued_for_a_takeover(
+    redis: Redis, key_prefix: str
+):
     keys = Keys(key_prefix)
     log, queue, beats = RedisLog(redis, keys), RequestQueue(redis, keys), Heartbeats(redis, keys)
     await queue.ensure_group()
     rid = await submitted(log, queue)
-    [(entry, _)] = await queue.read("dead", count=1, block_ms=100)
-    assert await log.claim(rid, "dead", entry) is not None  # it started, then died
-    await beats.beat("dead", Heartbeat(1, 1, int(time.time() * 1000) - 60_000, 0))
-    time.sleep(0.1)
+    old_entry, old = await lose(log, queue, beats, rid, "dead")
     assert await Sweeper(log, queue, beats, sweeper_id="s1", stale_s=0.05).sweep() == 1
+    # the old owner is fenced out at once, before anyone claims
+    with pytest.raises(Fenced):
+        await log.append(rid, old.epoch, [ev.Delta("x", [6], 2)])
+    meta = await log.meta(rid)
+    assert meta is not None and meta.state == State.RUNNING and not meta.owner
+    assert meta.recovery.takeovers == 1
+    assert await queue.orphans_due(int(time.time() * 1000) + 10**9) == [rid]
+    [(new_entry, job)] = await queue.read("next", count=1, block_ms=100)
+    assert job.request_id == rid and new_entry != old_entry
+    assert await log.claim(rid, "dead", old_entry) is None  # its old entry claims nothing
+    owner = await log.claim(rid, "next", new_entry)
+    assert owner is not None and owner.epoch > old.epoch and owner.events == 2
+    recovery = await log.resumed(owner, 1 + 1)  # the prompt and the logged token
+    assert recovery == Recovery(takeovers=1, handovers=0, reprefill_tokens=2)
+    with pytest.raises(Fenced):
+        await log.resumed(old, 2)
+
+
+async def test_a_request_lost_too_often_ends_worker_lost(redis: Redis, key_prefix: str):
+    keys = Keys(key_prefix)
+    log, queue, beats = RedisLog(redis, keys), RequestQueue(redis, keys), Heartbeats(redis, keys)
+    await queue.ensure_group()
+    rid = await submitted(log, queue)
+    sweeper = Sweeper(log, queue, beats, sweeper_id="s1", stale_s=0.05, max_takeovers=1)
+    await lose(log, queue, beats, rid, "first")
+    assert await sweeper.sweep() == 1
+    await lose(log, queue, beats, rid, "second")
+    assert await sweeper.sweep() == 1
     meta = await log.meta(rid)
     assert meta is not None and meta.state == State.ERRORED
-    last = await log.last(rid)
-    assert last is not None and isinstance(last[1], ev.End)
+    entries = [e for _, e in await log.read(rid)]
+    assert isinstance(entries[-2], ev.Error) and entries[-2].code == "worker_lost"
+    end = entries[-1]
+    assert isinstance(end, ev.End) and end.takeovers == 1 and end.completion_tokens == 1
+    assert await queue.pending("s1") == []  # the entry is acked
+
+
+async def test_a_takeover_nobody_takes_ends_at_its_wait(redis: Redis, key_prefix: str):
+    keys = Keys(key_prefix)
+    log, queue, beats = RedisLog(redis, keys), RequestQueue(redis, keys), Heartbeats(redis, keys)
+    await queue.ensure_group()
+    rid = await submitted(log, queue)
+    sweeper = Sweeper(log, queue, beats, sweeper_id="s1", stale_s=0.05, takeover_wait_s=0.05)
+    await lose(log, queue, beats, rid, "dead")
+    assert await sweeper.sweep() == 1
+    time.sleep(0.1)
+    assert await sweeper.end_unclaimed() == 1
+    meta = await log.meta(rid)
+    assert meta is not None and meta.state == State.ERRORED
+    assert await queue.orphans_due(int(time.time() * 1000) + 10**9) == []
+    # the job still queued behind it is acked by the worker that reads it: nothing to run
+    [(entry, _)] = await queue.read("late", count=1, block_ms=100)
+    assert await log.claim(rid, "late", entry) is None
+
+
+async def test_a_claimed_takeover_is_not_ended_at_its_wait(redis: Redis, key_prefix: str):
+    keys = Keys(key_prefix)
+    log, queue, beats = RedisLog(redis, keys), RequestQueue(redis, keys), Heartbeats(redis, keys)
+    await queue.ensure_group()
+    rid = await submitted(log, queue)
+    sweeper = Sweeper(log, queue, beats, sweeper_id="s1", stale_s=0.05, takeover_wait_s=0.05)
+    await lose(log, queue, beats, rid, "dead")
+    assert await sweeper.sweep() == 1
+    [(entry, _)] = await queue.read("next", count=1, block_ms=100)
+    assert await log.claim(rid, "next", entry) is not None
+    time.sleep(0.1)
+    assert await sweeper.end_unclaimed() == 0
+    meta = await log.meta(rid)
+    assert meta is not None and meta.state == State.RUNNING and meta.owner == "next"
+
+
+async def test_a_handover_is_fenced_by_the_owners_epoch(redis: Redis, key_prefix: str):
+    keys = Keys(key_prefix)
+    log, queue = RedisLog(redis, keys), RequestQueue(redis, keys)
+    await queue.ensure_group()
+    rid = await submitted(log, queue)
+    [(entry, _)] = await queue.read("stopping", count=1, block_ms=100)
+    owner = await log.claim(rid, "stopping", entry)
+    assert owner is not None
+    stale = await queue.requeue(rid, entry, Requeue.HANDOVER, epoch=owner.epoch + 1)
+    assert stale.entry_id is None  # not the owner's epoch: nothing happens
+    done = await queue.requeue(rid, entry, Requeue.HANDOVER, epoch=owner.epoch)
+    assert done.entry_id is not None
+    meta = await log.meta(rid)
+    assert meta is not None and meta.recovery == Recovery(takeovers=0, handovers=1)
+    assert (await queue.requeue(rid, entry, Requeue.HANDOVER, epoch=owner.epoch)).entry_id is None
 
 
 async def test_a_live_workers_running_jobs_are_left_alone(redis: Redis, key_prefix: str):

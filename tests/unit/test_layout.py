@@ -24,7 +24,7 @@ import pytest
 
 from service.store import scripts
 from service.store.keys import END_ID_FIELD, EVENT_FIELD, JOB_FIELD, SUMMARY_FIELD
-from service.stream.lifecycle import Meta, State
+from service.stream.lifecycle import Meta, Requeue, State
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("service", "workers")
@@ -121,7 +121,11 @@ def test_io_libraries_stay_in_their_room(module: str, path: Path) -> None:
         assert not wrong, f"{module}: Redis calls belong in service/store: {sorted(wrong)}"
 
 
-NAMES = sorted({*(s.value for s in State), *(m.value for m in Meta)}, key=len, reverse=True)
+NAMES = sorted(
+    {*(s.value for s in State), *(m.value for m in Meta), *(r.value for r in Requeue)},
+    key=len,
+    reverse=True,
+)
 FIELDS = [f.decode() for f in (EVENT_FIELD, SUMMARY_FIELD, END_ID_FIELD, JOB_FIELD)]
 
 
@@ -132,7 +136,7 @@ def test_scripts_take_their_names_from_the_prelude(name: str) -> None:
     )
     literals = set(re.findall(r"'([^']*)'|\"([^\"]*)\"", code))
     spelled = {a or b for a, b in literals} & {*NAMES, *FIELDS}
-    assert not spelled, f"{name}.lua spells {sorted(spelled)}: use S., M., V., F. instead"
+    assert not spelled, f"{name}.lua spells {sorted(spelled)}: use S., M., V., R., F. instead"
 
 
 def test_every_script_file_is_known_to_the_loader() -> None:

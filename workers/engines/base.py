@@ -9,14 +9,19 @@ next step; its ``generate`` then returns (``StepOutput.aborted``).
 Detokenization and stop strings are *not* the engine's job: the runner does both
 so that every engine behaves the same. ``params`` is the request's
 ``SamplingParams`` exactly as the API accepted it; an engine stops on the model's
-EOS ids, which it is given when it is built. ``tests/engine_contract.py`` is the
-behaviour every engine must show.
+EOS ids, which it is given when it is built.
+
+``generated``: the ids this request already produced elsewhere (a takeover: another
+worker made them and is gone). The engine prefills the prompt followed by them and
+continues as if it had made them itself: ``params.max_tokens`` counts them, and with
+``temperature=0`` the steps are the rest of an uninterrupted run's.
+``tests/engine_contract.py`` is the behaviour every engine must show.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from typing import Protocol
 
 from service.stream.params import SamplingParams
@@ -45,7 +50,11 @@ class Engine(Protocol):
     async def close(self) -> None: ...
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        generated: Sequence[int] = (),
     ) -> AsyncGenerator[StepOutput, None]: ...
 
     async def abort(self, request_id: str) -> None: ...

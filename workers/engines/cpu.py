@@ -39,6 +39,7 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     emit: Callable[[StepOutput | BaseException], None]
+    generated: list[int]  # made before, elsewhere (a takeover): prefilled after the prompt
     stop: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
@@ -110,7 +111,11 @@ class CpuEngine:
     # -- requests --------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        generated: Sequence[int] = (),
     ) -> AsyncGenerator[StepOutput, None]:
         """Yield one ``StepOutput`` per generated token; the last one has ``finished``."""
         if self._model is None or self._executor is None:
@@ -119,7 +124,7 @@ class CpuEngine:
             raise EngineError(f"request {request_id!r} is already running", "duplicate_request")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
-        request = _Request(list(prompt_token_ids), params, _emitter(loop, queue))
+        request = _Request(list(prompt_token_ids), params, _emitter(loop, queue), list(generated))
         self._active[request_id] = request
         if request_id in self._early_aborts:
             del self._early_aborts[request_id]
@@ -173,13 +178,12 @@ class CpuEngine:
         import torch
 
         params = request.params
-        prompt = request.prompt_token_ids
-        self._validate(prompt, params)
-        budget = (
-            min(params.max_tokens, self._max_len - len(prompt))
-            if self._max_len
-            else params.max_tokens
-        )
+        self._validate(request.prompt_token_ids, params)
+        if any(not 0 <= t < int(self._model.config.vocab_size) for t in request.generated):
+            raise EngineError("generated token ids must be in the vocabulary", "invalid_request")
+        prompt = request.prompt_token_ids + request.generated
+        left = params.max_tokens - len(request.generated)
+        budget = min(left, self._max_len - len(prompt)) if self._max_len else left
         if budget <= 0:
             request.emit(StepOutput([], finished=True, finish_reason="length"))
             return

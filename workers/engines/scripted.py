@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 
 from service.stream.params import SamplingParams
 from service.tokenize import ModelInfo
@@ -69,7 +69,11 @@ class ScriptedEngine:
         return self._model.encode(prompt)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        generated: Sequence[int] = (),
     ) -> AsyncGenerator[StepOutput, None]:
         script = self.script_for(prompt_token_ids)
         eos = self._model.eos_token_ids[:1]
@@ -79,7 +83,11 @@ class ScriptedEngine:
             if self._prefill_s > 0:  # a long prefill that an abort interrupts
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(aborted.wait(), self._prefill_s)
-            async for out in self._steps(request_id, script, list(eos), params.max_tokens):
+            answer = [*script, *eos]
+            if list(generated) != answer[: len(generated)]:
+                raise EngineError("the generated ids are not this script's", "invalid_request")
+            steps = self._steps(request_id, answer, len(generated), params.max_tokens)
+            async for out in steps:
                 yield out
         finally:
             self.running.discard(request_id)
@@ -88,12 +96,15 @@ class ScriptedEngine:
             self._sleeps.pop(request_id, None)
 
     async def _steps(
-        self, request_id: str, script: list[int], eos: list[int], max_tokens: int
+        self, request_id: str, answer: list[int], produced: int, max_tokens: int
     ) -> AsyncGenerator[StepOutput, None]:
-        produced = 0
+        """``answer[produced:]``, paced; ``produced`` ids were made before (a takeover)."""
         stop_ids = frozenset(self._model.eos_token_ids)
         next_at = time.monotonic()
-        for token_id in [*script, *eos]:
+        if produced >= max_tokens:
+            yield StepOutput([], finished=True, finish_reason="length")
+            return
+        for token_id in answer[produced:]:
             if request_id in self._aborted:
                 yield StepOutput([], finished=True, finish_reason="abort")
                 return

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +76,11 @@ class VllmEngine:
         return int(self._llm.output_processor.get_num_unfinished_requests())
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        generated: Sequence[int] = (),
     ) -> AsyncGenerator[StepOutput, None]:
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
@@ -84,8 +88,12 @@ class VllmEngine:
 
         if self._llm is None:
             raise EngineError("the vLLM engine is not started", "engine_not_ready")
+        left = params.max_tokens - len(generated)
+        if left <= 0:
+            yield StepOutput([], finished=True, finish_reason="length")
+            return
         sampling = VSamplingParams(
-            max_tokens=params.max_tokens,
+            max_tokens=left,
             temperature=params.temperature,
             top_p=params.top_p,
             seed=params.seed,
@@ -93,7 +101,8 @@ class VllmEngine:
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,  # our protocol code detokenizes and applies stop strings
         )
-        prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
+        # a takeover: vLLM prefills the prompt and the ids made elsewhere, and continues
+        prompt = TokensPrompt(prompt_token_ids=[*prompt_token_ids, *generated])
         try:
             async for out in self._llm.generate(prompt, sampling, request_id=request_id):
                 completion = out.outputs[0]

@@ -20,7 +20,18 @@ from redis.exceptions import NoScriptError
 from service.store.keys import END_ID_FIELD, EVENT_FIELD, JOB_FIELD, SUMMARY_FIELD
 from service.stream.lifecycle import lua_prelude
 
-NAMES = ("admit", "append", "cancel", "check", "claim", "create", "lease", "leave", "requeue")
+NAMES = (
+    "admit",
+    "append",
+    "cancel",
+    "check",
+    "claim",
+    "create",
+    "lease",
+    "leave",
+    "requeue",
+    "resumed",
+)
 
 
 @functools.cache

@@ -1,10 +1,27 @@
--- Queue a job again that its worker took but never started (it froze, or died before
--- claiming): a new queue entry for the same job, which becomes the only one that may claim.
--- KEYS[1] meta, KEYS[2] queue; ARGV[1] the old entry id, ARGV[2] the consumer group
--- Returns the new entry id, or false when the request is no longer waiting for a worker
--- behind that entry (it was claimed, ended, or queued again already).
-local m = redis.call('HMGET', KEYS[1], M.state, M.epoch, M.entry)
-if m[1] ~= S.QUEUED or m[2] ~= '0' or m[3] ~= ARGV[1] then return false end
+-- Queue a job again behind a new queue entry, which becomes the only one that may claim
+-- the request (the old entry is acked and deleted):
+-- * a job its worker took but never started (it froze, or died before claiming);
+-- * a started request whose worker was lost (R.LOST, the sweeper) or is stopping and
+--   hands it over (R.HANDOVER, the worker itself, with its epoch): the owner epoch is
+--   bumped at once, fencing the old owner out, and the next worker's claim continues
+--   the request from its log. A request lost ARGV[4] times already is not queued again.
+-- KEYS[1] meta, KEYS[2] queue, KEYS[3] the requests waiting for a worker to continue them
+-- (a sorted set: request id -> when to stop waiting, ms)
+-- ARGV[1] the old entry id, ARGV[2] the consumer group, ARGV[3] R.LOST | R.HANDOVER,
+-- ARGV[4] the most takeovers allowed, ARGV[5] the caller's owner epoch ('' for the
+-- sweeper), ARGV[6] the request id, ARGV[7] when to stop waiting for a worker (ms)
+-- Returns {'OK', new entry id}; {'EXHAUSTED', takeovers} when it was lost too often; or
+-- false when the request is not waiting behind that entry (claimed by another, ended,
+-- queued again already, or the caller is not its owner any more).
+local m = redis.call('HMGET', KEYS[1], M.state, M.epoch, M.entry, M.takeovers)
+local state = m[1]
+if not state or TERMINAL[state] or (m[3] and m[3] ~= ARGV[1]) then return false end
+if ARGV[5] ~= '' and m[2] ~= ARGV[5] then return false end
+local started = state == S.RUNNING
+if not started and m[2] ~= '0' then return false end
+if started and ARGV[3] == R.LOST and tonumber(m[4] or '0') >= tonumber(ARGV[4]) then
+  return {'EXHAUSTED', tonumber(m[4] or '0')}
+end
 local old = redis.call('XRANGE', KEYS[2], ARGV[1], ARGV[1])[1]
 if not old then return false end
 local job = nil
@@ -14,6 +31,16 @@ end
 if not job then return false end
 local entry = redis.call('XADD', KEYS[2], '*', F.job, job)
 redis.call('HSET', KEYS[1], M.entry, entry)
+if started then
+  redis.call('HINCRBY', KEYS[1], M.epoch, 1)
+  redis.call('HSET', KEYS[1], M.owner, '')
+  if ARGV[3] == R.LOST then
+    redis.call('HINCRBY', KEYS[1], M.takeovers, 1)
+  else
+    redis.call('HINCRBY', KEYS[1], M.handovers, 1)
+  end
+  redis.call('ZADD', KEYS[3], ARGV[7], ARGV[6])
+end
 redis.call('XACK', KEYS[2], ARGV[2], ARGV[1])
 redis.call('XDEL', KEYS[2], ARGV[1])
-return entry
+return {'OK', entry}

@@ -1,0 +1,10 @@
+-- A worker continues a request another one started (a takeover or a handover): it adds
+-- the tokens it prefills again (prompt + the completion ids in the log), and learns the
+-- request's recovery counts for its terminal event. Only the owner may.
+-- KEYS[1] meta; ARGV[1] the caller's owner epoch, ARGV[2] tokens prefilled again
+-- Returns {takeovers, handovers, tokens prefilled again in all}, or false (not the owner).
+local m = redis.call('HMGET', KEYS[1], M.epoch, M.state)
+if m[1] ~= ARGV[1] or m[2] ~= S.RUNNING then return false end
+local total = redis.call('HINCRBY', KEYS[1], M.reprefill, ARGV[2])
+local c = redis.call('HMGET', KEYS[1], M.takeovers, M.handovers)
+return {tonumber(c[1] or '0'), tonumber(c[2] or '0'), total}

@@ -1,0 +1,323 @@
+"""Takeover: a dead or frozen worker's answers continue on another worker, and a rolling
+restart drops nothing -- real processes, killed, frozen and stopped for real.
+
+The scripted engine echoes the question token by token (temperature 0 in effect), so an
+uninterrupted answer is the question itself: every client's text must equal it exactly
+(no gap, no repeat, no broken character), whatever worker wrote which part. The pause a
+client sees is a figure of ``bench/takeover.py``, not an assertion here.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from httpx_sse import EventSource, ServerSentEvent
+
+from service.store.keys import Keys
+from service.stream import events as ev
+from tests.conftest import migrated_database
+from tests.e2e.conftest import Stack, make_stack
+from tests.e2e.helpers import (
+    LONG,
+    assert_ids_increase,
+    chat_body,
+    content_of,
+    finish_reason,
+    ledger_row,
+)
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+SAFETY_S = 120.0  # a hang guard only
+
+
+@pytest.fixture(scope="module")
+def takeover_db(pg_admin_url: str) -> Iterator[str]:
+    """A database of this module's own, so that reconcile sees only its rows."""
+    with migrated_database(pg_admin_url) as url:
+        yield url
+
+
+@pytest.fixture
+def stack(tmp_path: Path, redis_url: str, takeover_db: str, model_dir: Path) -> Iterator[Stack]:
+    st = make_stack(
+        tmp_path,
+        redis_url,
+        takeover_db,
+        model_dir,
+        scripted_tokens_per_s=40.0,
+        worker_stale_s=1.0,
+        worker_concurrency=32,
+        recorder_claim_idle_ms=1000,  # a killed worker's recorder entries are taken soon
+    )
+    try:
+        yield st
+    finally:
+        for p in st.procs:  # frozen ones would not stop
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+        st.stop()
+
+
+@dataclasses.dataclass
+class Stream:
+    """One streaming client in a thread: its events, its request id."""
+
+    question: str
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    events: list[ServerSentEvent] = dataclasses.field(default_factory=list)
+    request_id: str = ""
+    started: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def run(self, url: str, model: str) -> None:
+        body = chat_body(model, self.question, stream=True, **self.extra)
+        with (
+            httpx.Client(base_url=url, timeout=SAFETY_S) as client,
+            client.stream("POST", "/v1/chat/completions", json=body) as r,
+        ):
+            assert r.status_code == 200, r.read()
+            self.request_id = r.headers["x-request-id"]
+            for event in EventSource(r).iter_sse():
+                self.events.append(event)
+                if len(self.events) >= 3:
+                    self.started.set()
+        self.started.set()
+
+    @property
+    def text(self) -> str:
+        return content_of(self.events)
+
+
+@dataclasses.dataclass
+class Clients:
+    st: Stack
+    streams: list[Stream]
+    pool: concurrent.futures.ThreadPoolExecutor
+    futures: list[concurrent.futures.Future[None]]
+
+    def wait_started(self) -> None:
+        for s in self.streams:
+            assert s.started.wait(SAFETY_S), "a stream never started"
+
+    def join(self) -> None:
+        for f in self.futures:
+            f.result(timeout=SAFETY_S)
+        self.pool.shutdown()
+
+
+def start_streams(st: Stack, streams: list[Stream]) -> Clients:
+    pool = concurrent.futures.ThreadPoolExecutor(len(streams))
+    futures = [pool.submit(s.run, st.url, st.model) for s in streams]
+    return Clients(st, streams, pool, futures)
+
+
+def store(st: Stack) -> redis.Redis:
+    return redis.Redis.from_url(st.settings.redis_url or "")
+
+
+def owner_of(st: Stack, rid: str) -> str:
+    raw = store(st).hget(Keys(st.settings.key_prefix).meta(rid), "owner")
+    return raw.decode() if raw else ""
+
+
+def logged_text(st: Stack, rid: str) -> str:
+    entries = store(st).xrange(Keys(st.settings.key_prefix).log(rid))
+    found = (ev.decode(fields[b"e"]) for _, fields in entries)
+    return "".join(e.text for e in found if isinstance(e, ev.Delta))
+
+
+def proc_named(st: Stack, procs: dict[str, subprocess.Popen[bytes]], owner: str) -> str:
+    [name] = [n for n in procs if owner.startswith(f"{n}-")]
+    return name
+
+
+def freeze_when(
+    st: Stack, proc: subprocess.Popen[bytes], rid: str, ready: Callable[[str], bool]
+) -> str:
+    """SIGSTOP ``proc`` at a moment its log's text satisfies ``ready`` (freeze, look, let
+    it go on and try again); returns the logged text it was frozen at."""
+    deadline = time.monotonic() + SAFETY_S
+    while time.monotonic() < deadline:
+        os.kill(proc.pid, signal.SIGSTOP)
+        shown = logged_text(st, rid)
+        if ready(shown):
+            return shown
+        os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(0.01)
+    raise AssertionError("the log never reached the wanted cut")
+
+
+def assert_whole(st: Stack, s: Stream, want: str, takeovers: int, handovers: int = 0) -> None:
+    assert s.text == want, f"{s.request_id}: text differs from an uninterrupted run"
+    assert "\ufffd" not in s.text
+    assert s.events[-1].data == "[DONE]"
+    assert finish_reason(s.events) == "stop"
+    assert_ids_increase(s.events)
+    status = httpx.get(f"{st.url}/v1/requests/{s.request_id}").json()
+    assert status["state"] == "finished", status
+    row = ledger_row(st.settings.database_url or "", s.request_id, timeout_s=60)
+    assert row is not None and row["state"] == "finished"
+    assert (row["takeovers"], row["handovers"]) == (takeovers, handovers), row
+    if takeovers or handovers:
+        assert row["reprefill_tokens"] > row["prompt_tokens"], row
+    # a reader that comes later reads the same answer from the log, once
+    replay = httpx.get(f"{st.url}/v1/requests/{s.request_id}/events", timeout=30).text
+    assert replay.count("data: [DONE]") == 1
+
+
+def reconcile_clean(st: Stack, since: str) -> None:
+    """``lastevent billing reconcile`` over this test's requests (``since`` its start)."""
+    env = {**os.environ, **st.settings.to_env()}
+    done = subprocess.run(
+        [sys.executable, "-m", "service.cli", "billing", "reconcile", "--since", since],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and "clean" in done.stdout, done.stdout + done.stderr
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+def questions(n: int, body: str = LONG) -> list[str]:
+    return [f"Question {i}. {body}" for i in range(n)]
+
+
+def test_a_killed_workers_streams_continue_on_the_other(stack: Stack) -> None:
+    st, since = stack, now()
+    procs = {"a": st.start_worker("a"), "b": st.start_worker("b")}
+    st.start_api()
+    clients = start_streams(st, [Stream(q) for q in questions(6)])
+    clients.wait_started()
+    owners = {s.request_id: owner_of(st, s.request_id) for s in clients.streams}
+    victim = proc_named(st, procs, owners[clients.streams[0].request_id])
+    procs[victim].send_signal(signal.SIGKILL)
+    procs[victim].wait()
+    clients.join()
+    for s in clients.streams:
+        lost = owners[s.request_id].startswith(f"{victim}-")
+        assert_whole(st, s, s.question, takeovers=int(lost))
+    reconcile_clean(st, since)
+
+
+def test_a_cut_inside_a_stop_string_prefix_still_stops(stack: Stack) -> None:
+    """Killed while the log ends right where a possible stop string ("STOP!") starts (the
+    worker held "S", "ST" or "STO" back, or was about to make it): the next worker holds
+    it again, and the answer ends just before the real stop, which is never shown."""
+    st, since = stack, now()
+    procs = {"a": st.start_worker("a"), "b": st.start_worker("b")}
+    st.start_api()
+    shown_part = " ".join(["STO", "ST", "STOa", "S", "STOP", "STO!"] * 8)
+    question = f"{shown_part} STOP! this is never shown"
+    clients = start_streams(st, [Stream(question, {"stop": ["STOP!"]})])
+    clients.wait_started()
+    [s] = clients.streams
+    owner = proc_named(st, procs, owner_of(st, s.request_id))
+    at = freeze_when(
+        st, procs[owner], s.request_id, lambda t: len(t) > 20 and question[len(t)] == "S"
+    )
+    procs[owner].send_signal(signal.SIGKILL)
+    procs[owner].wait()
+    clients.join()
+    assert s.text.startswith(at)
+    assert_whole(st, s, shown_part + " ", takeovers=1)
+    reconcile_clean(st, since)
+
+
+def test_a_cut_inside_a_multibyte_character_completes_it(stack: Stack) -> None:
+    """Killed while the next character the log will show is several bytes (and tokens)
+    long: the next worker makes it whole, once."""
+    st, since = stack, now()
+    procs = {"a": st.start_worker("a"), "b": st.start_worker("b")}
+    st.start_api()
+    question = "Emoji and more: " + "🤖日本語👩‍👩‍👧€ " * 6
+    clients = start_streams(st, [Stream(question)])
+    clients.wait_started()
+    [s] = clients.streams
+    owner = proc_named(st, procs, owner_of(st, s.request_id))
+    freeze_when(
+        st, procs[owner], s.request_id, lambda t: len(t) > 20 and ord(question[len(t)]) > 0x7F
+    )
+    procs[owner].send_signal(signal.SIGKILL)
+    procs[owner].wait()
+    clients.join()
+    assert_whole(st, s, question, takeovers=1)
+    reconcile_clean(st, since)
+
+
+def test_a_frozen_worker_woken_after_the_takeover_writes_nothing(stack: Stack) -> None:
+    st, since = stack, now()
+    procs = {"a": st.start_worker("a"), "b": st.start_worker("b")}
+    st.start_api()
+    clients = start_streams(st, [Stream(q) for q in questions(3)])
+    clients.wait_started()
+    first = clients.streams[0]
+    frozen_owner = owner_of(st, first.request_id)
+    frozen = proc_named(st, procs, frozen_owner)
+    os.kill(procs[frozen].pid, signal.SIGSTOP)
+    frozen_ids = [
+        s.request_id for s in clients.streams if owner_of(st, s.request_id) == frozen_owner
+    ]
+    # another worker continues each of its requests, and the log grows under it
+    for rid in frozen_ids:
+        wait_until(
+            lambda rid=rid: owner_of(st, rid) not in ("", frozen_owner),
+            "a takeover",
+            timeout=SAFETY_S,
+        )
+    grown = len(logged_text(st, first.request_id))
+    wait_until(lambda: len(logged_text(st, first.request_id)) > grown, "the log to grow")
+    os.kill(procs[frozen].pid, signal.SIGCONT)  # it wakes with appends in hand
+    clients.join()
+    for s in clients.streams:
+        assert_whole(st, s, s.question, takeovers=int(s.request_id in frozen_ids))
+    wait_until(
+        lambda: "taken over by another worker" in st.tail(frozen, 10**7),
+        "the woken worker to notice it was fenced out",
+    )
+    reconcile_clean(st, since)
+
+
+def test_a_rolling_restart_under_load_drops_nothing(stack: Stack) -> None:
+    """SIGTERM each worker in turn under 20 streams, starting its replacement first: a
+    stopping worker lets requests finish for ``worker_drain_s`` and hands the rest over."""
+    st, since = stack, now()
+    procs = {
+        "a": st.start_worker("a", worker_drain_s=0.5),
+        "b": st.start_worker("b", worker_drain_s=0.5),
+    }
+    st.start_api()
+    clients = start_streams(st, [Stream(q) for q in questions(20)])
+    clients.wait_started()
+    for name in ("a", "b"):
+        st.start_worker(f"{name}2", worker_drain_s=0.5)
+        procs[name].send_signal(signal.SIGTERM)
+        assert procs[name].wait(timeout=SAFETY_S) == 0, st.tail(name)
+        assert "handed over to another worker" in st.tail(name, 10**7)
+    clients.join()
+    handed = 0
+    for s in clients.streams:
+        row = ledger_row(st.settings.database_url or "", s.request_id, timeout_s=60)
+        assert row is not None
+        handed += row["handovers"] > 0
+        assert_whole(st, s, s.question, takeovers=0, handovers=row["handovers"])
+    assert handed == len(clients.streams)  # every answer outlived its first worker
+    reconcile_clean(st, since)
