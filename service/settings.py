@@ -54,7 +54,8 @@ class Settings:
     max_concurrent_per_key: int = 0  # requests in flight per API key (0: unlimited)
     max_queue_wait_s: float = 30.0  # 503 when the queue would wait longer than this
     max_streams: int = 10_000  # open readers per API process before 503
-    worker_stale_s: float = 5.0  # a worker without a heartbeat this long is gone
+    worker_stale_s: float = 5.0  # a worker without a heartbeat this long is lost
+    sweep_interval_s: float = 2.0  # how often each API process looks for lost workers' jobs
 
     # event log
     hot_log_ttl_s: int = 3600  # the log stays in Redis this long after its terminal event

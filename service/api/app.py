@@ -124,6 +124,7 @@ async def serving(settings: Settings, model: ModelInfo, drain: Drain) -> AsyncIt
         ctx.admission.heartbeats,
         sweeper_id=f"sweeper-{uuid.uuid4().hex[:8]}",
         stale_s=settings.worker_stale_s,
+        interval_s=settings.sweep_interval_s,
         hot_log_ttl_s=settings.hot_log_ttl_s,
         max_takeovers=settings.max_takeovers,
         takeover_wait_s=settings.takeover_wait_s,

@@ -138,8 +138,13 @@ def test_a_slot_is_freed_by_the_end_whoever_reads_it(
         httpx.Client(base_url=st.url, timeout=30) as c,
     ):
         for _ in range(3):  # walk away at once: abandoned after a zero grace
+            # an answer long enough to be abandoned, not finished, however loaded the machine
             body = chat_body(
-                st.model, "bye", stream=True, stream_options={"resume_grace_s": 0}, max_tokens=200
+                st.model,
+                "bye " * 150,
+                stream=True,
+                stream_options={"resume_grace_s": 0},
+                max_tokens=200,
             )
             with c.stream("POST", "/v1/chat/completions", json=body) as r:
                 assert r.status_code == 200
