@@ -162,11 +162,13 @@ def freeze_when(
     raise AssertionError("the log never reached the wanted cut")
 
 
-def assert_whole(st: Stack, s: Stream, want: str, takeovers: int, handovers: int = 0) -> None:
+def assert_whole(
+    st: Stack, s: Stream, want: str, takeovers: int, handovers: int = 0, finish: str = "stop"
+) -> None:
     assert s.text == want, f"{s.request_id}: text differs from an uninterrupted run"
     assert "\ufffd" not in s.text
     assert s.events[-1].data == "[DONE]"
-    assert finish_reason(s.events) == "stop"
+    assert finish_reason(s.events) == finish
     assert_ids_increase(s.events)
     status = httpx.get(f"{st.url}/v1/requests/{s.request_id}").json()
     assert status["state"] == "finished", status
