@@ -177,7 +177,7 @@ class Runner:
         if self._tasks:
             _, left = await asyncio.wait(set(self._tasks), timeout=self.settings.worker_drain_s)
             if left:
-                log.info("handing %d requests over to other workers", len(left))
+                log.info("handing %d request(s) over to other workers", len(left))
                 for task in left:
                     rid = task.get_name()
                     self.handing_over.add(rid)
