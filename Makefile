@@ -50,6 +50,9 @@ test-vllm: $(VLLM_STAMP)  ## the vLLM tier: the real vLLM CPU engine (own venv, 
 bench: $(STAMP)  ## lastevent vs a no-Redis baseline: throughput, latency, resume, abort, memory (< 2 min)
 	$(BIN)/python -m bench.harness $(BENCH_ARGS)
 
+bench-takeover: $(STAMP)  ## the pause a stream sees when its worker is killed (-9) or stopped mid-answer (~3 min)
+	$(BIN)/python -m bench.takeover $(BENCH_ARGS)
+
 bench-vllm: $(VLLM_STAMP)  ## TTFT / ITL: vLLM's own OpenAI server vs lastevent + vLLM worker
 	$(VLLM_BIN)/python -m bench.vllm_compare $(BENCH_ARGS)
 
@@ -64,4 +67,4 @@ lint: $(STAMP)  ## the static gates CI runs first: ruff, ruff format, mypy stric
 clean:  ## remove the virtualenv and caches (not the data dir)
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis .cache
 
-.PHONY: help install run test test-chaos test-vllm bench bench-vllm test-fast lint clean
+.PHONY: help install run test test-chaos test-vllm bench bench-takeover bench-vllm test-fast lint clean
