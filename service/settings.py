@@ -56,6 +56,7 @@ class Settings:
     max_streams: int = 10_000  # open readers per API process before 503
     worker_stale_s: float = 5.0  # a worker without a heartbeat this long is lost
     sweep_interval_s: float = 2.0  # how often each API process looks for lost workers' jobs
+    worker_heartbeat_s: float = 1.0  # how often a worker says it is alive (< worker_stale_s)
 
     # event log
     hot_log_ttl_s: int = 3600  # the log stays in Redis this long after its terminal event

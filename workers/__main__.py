@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
+import os
 import signal
 
 from redis.asyncio import Redis
@@ -88,19 +90,55 @@ async def serve(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, runner.stop)
+    loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
     log.info("worker %s ready (engine %s)", settings.worker_id, engine.name)
     recording = asyncio.create_task(recorder.run()) if recorder else None
     try:
         await runner.run()
     finally:
-        if recording is not None:
+        if recording is not None and recorder is not None:
             await asyncio.sleep(0.5)  # let the last terminal events reach Postgres
-            recording.cancel()
-            await asyncio.gather(recording, return_exceptions=True)
-        await engine.close()
-        await redis.aclose()
+            recorder.stop()
+            await _within("the recorder", recording)
+        await _within("the engine's close", asyncio.ensure_future(engine.close()))
+        await _within("the Redis pool's close", asyncio.ensure_future(redis.aclose()))
         if db is not None:
-            await db.dispose()
+            await _within("the Postgres pool's close", asyncio.ensure_future(db.dispose()))
+        await _leave_nothing_running()
+
+
+async def _within(what: str, task: asyncio.Future[None], timeout_s: float = 5.0) -> None:
+    """Wait for ``task`` a bounded time, then cancel it: a stopping worker always exits."""
+    _, pending = await asyncio.wait({task}, timeout=timeout_s)
+    if pending:
+        log.warning("%s did not finish within %g s; cancelled", what, timeout_s)
+        task.cancel()
+        await asyncio.wait({task}, timeout=timeout_s)
+
+
+async def _leave_nothing_running(timeout_s: float = 5.0) -> None:
+    """Cancel what is left; a task that will not stop is logged and the process exits
+    anyway (everything a worker holds is in Redis: its requests were ended or handed
+    over, and whatever it still held is taken over when its heartbeat goes stale)."""
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in others:
+        task.cancel()
+    if others:
+        _, stuck = await asyncio.wait(others, timeout=timeout_s)
+        if stuck:
+            log.error("%d task(s) would not stop; exiting anyway", len(stuck))
+            dump_tasks()
+            logging.shutdown()
+            os._exit(0)
+
+
+def dump_tasks() -> None:
+    """SIGUSR1: log where every asyncio task of this worker is waiting (a hung worker)."""
+    out = io.StringIO()
+    for task in asyncio.all_tasks():
+        out.write(f"--- {task.get_name()}\n")
+        task.print_stack(file=out)
+    log.warning("asyncio tasks:\n%s", out.getvalue())
 
 
 async def serve_recorder(settings: Settings) -> None:

@@ -103,7 +103,7 @@ class Runner:
         finally:
             for task in watchers:
                 task.cancel()
-            await asyncio.gather(*watchers, return_exceptions=True)
+            await asyncio.wait(watchers, timeout=5)  # (bounded: a stopping worker exits)
             with contextlib.suppress(RedisError):
                 await self.heartbeats.remove(self.settings.worker_id)
             await self.batcher.close()
@@ -170,7 +170,7 @@ class Runner:
                 await self.heartbeats.beat(self.settings.worker_id, beat)
             except RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(self.settings.worker_heartbeat_s)
 
     async def _drain(self) -> None:
         """Let running requests finish for ``worker_drain_s``; hand the rest over."""
