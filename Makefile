@@ -29,10 +29,24 @@ run: $(STAMP)  ## start everything on http://127.0.0.1:8000 (embedded Redis/Post
 	$(BIN)/lastevent up
 
 test: $(STAMP)  ## the whole test suite (real Redis/Postgres: local ones if they answer, else embedded)
-	$(BIN)/python -m pytest -m "not vllm and not chaos" -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not vllm and not chaos and not clients" -n 2 --dist loadfile $(PYTEST_ARGS)
 
 test-chaos: $(STAMP)  ## the chaos tier: Redis killed, restarted, paused for real (own servers)
 	$(BIN)/python -m pytest -m chaos tests/chaos $(PYTEST_ARGS)
+
+CLIENTS_DIR := tests/clients
+
+$(CLIENTS_DIR)/node_modules/.installed: $(CLIENTS_DIR)/package.json $(CLIENTS_DIR)/package-lock.json
+	cd $(CLIENTS_DIR) && npm ci --no-audit --no-fund
+	touch $@
+
+test-clients: $(STAMP) $(CLIENTS_DIR)/node_modules/.installed  ## JS/Python/browser clients through a cutting proxy (Node 18+, Chromium)
+	@if [ ! -x /usr/bin/chromium ]; then \
+	  echo "installing Debian's chromium (the browser tests never download one)"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; \
+	fi
+	$(BIN)/python -m pytest -m clients tests/clients $(PYTEST_ARGS)
 
 $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
@@ -67,4 +81,4 @@ lint: $(STAMP)  ## the static gates CI runs first: ruff, ruff format, mypy stric
 clean:  ## remove the virtualenv and caches (not the data dir)
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis .cache
 
-.PHONY: help install run test test-chaos test-vllm bench bench-takeover bench-vllm test-fast lint clean
+.PHONY: help install run test test-chaos test-clients test-vllm bench bench-takeover bench-vllm test-fast lint clean
