@@ -69,6 +69,7 @@ async def sse_frames(
     lease.adopted = True
     READERS.inc()
     try:
+        yield sse.retry_line(ctx.settings.reconnect_hint_ms)  # how soon to come back
         while True:
             batch = await sub.queue.get()  # no timer per wait: the tailer's ticker sends IDLE
             if batch is IDLE:
@@ -161,13 +162,13 @@ async def collect(ctx: Context, rid: str, created: Created, lease: Lease) -> Res
 
 
 async def cold_frames(
-    rid: str, entries: list[tuple[EventId, Event]], cursor: Cursor | None
+    rid: str, entries: list[tuple[EventId, Event]], cursor: Cursor | None, reconnect_hint_ms: int
 ) -> AsyncIterator[bytes]:
     """An archived log as SSE: the same ids and bytes the hot log gave."""
     created = entries[0][1]
     assert isinstance(created, Created)
     renderer = ChunkRenderer(rid, created)
-    out: list[bytes] = []
+    out: list[bytes] = [sse.retry_line(reconnect_hint_ms)]
     for eid, event in entries:
         out.extend(sse_event_frames(renderer, eid, event, cursor))
     if out:

@@ -119,7 +119,13 @@ def replay_cmd(settings: Settings, args: argparse.Namespace) -> int:
         if not entries:
             print(f"no request {args.request_id} (hot log or archive)", file=sys.stderr)
             return 1
-        async for chunk in replay.render(args.request_id, entries, speed=speed, fmt=args.format):
+        async for chunk in replay.render(
+            args.request_id,
+            entries,
+            speed=speed,
+            fmt=args.format,
+            reconnect_hint_ms=settings.reconnect_hint_ms,
+        ):
             sys.stdout.buffer.write(chunk)
             sys.stdout.buffer.flush()
         return 0

@@ -17,15 +17,24 @@ import msgspec
 from service.stream.events import Created, Delta, Event
 from service.stream.ids import EventId
 from service.stream.render import ChunkRenderer, sse_event_frames
+from service.stream.sse import retry_line
 
 
 async def render(
-    rid: str, entries: list[tuple[EventId, Event]], *, speed: float | None, fmt: str = "sse"
+    rid: str,
+    entries: list[tuple[EventId, Event]],
+    *,
+    speed: float | None,
+    fmt: str = "sse",
+    reconnect_hint_ms: int | None = None,
 ) -> AsyncIterator[bytes]:
-    """``speed``: 1 = original timing, 10 = ten times faster, None = no waiting."""
+    """``speed``: 1 = original timing, 10 = ten times faster, None = no waiting.
+    ``reconnect_hint_ms``: the ``retry:`` line a live stream starts with (SSE only)."""
     created = entries[0][1]
     assert isinstance(created, Created)
     renderer = ChunkRenderer(rid, created)
+    if fmt == "sse" and reconnect_hint_ms is not None:
+        yield retry_line(reconnect_hint_ms)
     previous_ms = entries[0][0].ms
     for eid, event in entries:
         if speed:

@@ -47,15 +47,29 @@ def frame(data: bytes, event_id: str | None = None, event: str | None = None) ->
     """One SSE event. ``data`` must be a single line (JSON or ``[DONE]``)."""
     if b"\n" in data or b"\r" in data:
         raise ValueError("SSE data must be a single line; encode it as JSON first")
+    # data before id: a client that takes the id when it parses the line (rather than
+    # when the event is dispatched, as the standard says) would otherwise hold the id of
+    # an event it never got when the connection breaks inside the data line, and resume
+    # after it. Written this way, the id arrives last, in the same frame as the blank
+    # line that completes the event: a cut anywhere before that loses the whole event,
+    # id included, and the resume sends it again.
     parts: list[bytes] = []
-    if event_id is not None:
-        parts.append(b"id: " + clean_field(event_id).encode() + b"\n")
     if event is not None:
         parts.append(b"event: " + clean_field(event).encode() + b"\n")
-    parts.append(b"data: " + escape_json(data) + b"\n\n")
+    parts.append(b"data: " + escape_json(data) + b"\n")
+    if event_id is not None:
+        parts.append(b"id: " + clean_field(event_id).encode() + b"\n")
+    parts.append(b"\n")
     return b"".join(parts)
 
 
 def retry(ms: int) -> bytes:
-    """Tell the client how long to wait before it reconnects."""
+    """Tell the client how long to wait before it reconnects (a field of its own event:
+    on its own it dispatches nothing)."""
     return b"retry: " + str(int(ms)).encode() + b"\n\n"
+
+
+def retry_line(ms: int) -> bytes:
+    """The same hint as the first line of a stream (the next event's blank line ends it;
+    no blank line of its own, so no client sees an empty event)."""
+    return b"retry: " + str(int(ms)).encode() + b"\n"

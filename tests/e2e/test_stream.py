@@ -103,10 +103,10 @@ def test_resume_inside_the_terminal_event_repeats_nothing(
         headers={"Last-Event-ID": events[final_chunk].id},
     )
     assert [(e.id, e.data) for e in rest] == [(e.id, e.data) for e in events[final_chunk + 1 :]]
-    _, nothing = read_all(
-        client, "GET", f"/v1/requests/{rid}/events", headers={"Last-Event-ID": events[-1].id}
-    )
-    assert nothing == []
+    # the client has it all: 204, the SSE standard's "stop reconnecting"
+    done = client.get(f"/v1/requests/{rid}/events", headers={"Last-Event-ID": events[-1].id})
+    assert done.status_code == 204 and done.content == b""
+    assert done.headers["x-request-id"] == rid
 
 
 def test_replay_is_byte_for_byte(stack: Stack, client: httpx.Client) -> None:

@@ -76,7 +76,13 @@ class AdminController(Controller):
             raise no_such_request(request_id)
         media = {"sse": sse.MEDIA_TYPE, "text": "text/plain", "json": "application/x-ndjson"}
         return Stream(
-            replay.render(request_id, entries, speed=rate, fmt=format),
+            replay.render(
+                request_id,
+                entries,
+                speed=rate,
+                fmt=format,
+                reconnect_hint_ms=ctx.settings.reconnect_hint_ms,
+            ),
             media_type=media[format],
             headers=dict(sse.HEADERS),
         )

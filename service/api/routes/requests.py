@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from litestar import Controller, Request, Response, get, post
@@ -61,12 +60,6 @@ async def _archived(ctx: Context, rid: str) -> list[tuple[EventId, Event]]:
     return entries
 
 
-async def _nothing() -> AsyncIterator[bytes]:
-    nothing: tuple[bytes, ...] = ()
-    for chunk in nothing:
-        yield chunk
-
-
 class RequestsController(Controller):
     path = "/v1/requests"
     tags = ("requests",)
@@ -83,8 +76,9 @@ class RequestsController(Controller):
         request: Request[Any, Any, Any],
         request_id: str,
         after: str | None = None,
-    ) -> Stream:
-        """SSE from the start, or after ``Last-Event-ID`` (header) / ``?after=``."""
+    ) -> Stream | Response[bytes]:
+        """SSE from the start, or after ``Last-Event-ID`` (header) / ``?after=``; 204 when
+        the cursor is the terminal event (nothing more will come)."""
         header = request.headers.get("last-event-id")
         cursor = _cursor(header, "Last-Event-ID") if header else _cursor(after, "after")
         param = "Last-Event-ID" if header else "after"
@@ -101,17 +95,21 @@ class RequestsController(Controller):
             _owned(entries[0][1], principal, request_id, required=True)
             if cursor is not None and cursor.event not in {eid for eid, _ in entries}:
                 raise _foreign(cursor, request_id, param)
-            return Stream(
-                cold_frames(request_id, entries, cursor), media_type=sse.MEDIA_TYPE, headers=headers
-            )
-        frames = sse_frames(ctx, request_id, created, cursor)
+            if cursor is not None and cursor.event == entries[-1][0] and cursor.frame is None:
+                return Response(b"", status_code=204, headers={REQUEST_ID_HEADER: request_id})
+            hint = ctx.settings.reconnect_hint_ms
+            frames = cold_frames(request_id, entries, cursor, hint)
+            return Stream(frames, media_type=sse.MEDIA_TYPE, headers=headers)
         if cursor is not None:
             RESUMES.inc()
             if not known:
                 raise _foreign(cursor, request_id, param)
             ended = last is not None and isinstance(last[1], End) and cursor.event == last[0]
-            if ended and cursor.frame is None:  # the client has it all: an empty, closed stream
-                frames = _nothing()
+            if ended and cursor.frame is None:
+                # the client has it all: 204 is how the SSE standard tells it to stop (an
+                # empty 200 makes EventSource reconnect every few seconds, for ever)
+                return Response(b"", status_code=204, headers={REQUEST_ID_HEADER: request_id})
+        frames = sse_frames(ctx, request_id, created, cursor)
         return Stream(frames, media_type=sse.MEDIA_TYPE, headers=headers)
 
     @get(
