@@ -53,6 +53,11 @@ class InvalidRequest(ApiError):
     error_type = "invalid_request_error"
 
 
+class Unprocessable(ApiError):
+    status_code = 422
+    error_type = "invalid_request_error"
+
+
 class Unauthorized(ApiError):
     status_code = 401
     error_type = "authentication_error"

@@ -45,6 +45,10 @@ class Settings:
     operator_token: str | None = None  # break-glass Bearer token for /v1/admin (None: off)
     auth: str = "required"  # required | off (off: requests without a key act as "default")
     auth_cache_s: float = 30.0  # verified keys are cached this long (revocation delay)
+    cors_origins: str = ""  # comma-separated origins allowed cross-origin ("*": any)
+    stream_token_secret: str | None = None  # None: one made at random, shared via Redis
+    stream_token_ttl_s: float = 3600.0  # how long a stream token reads its request
+    idempotency_ttl_s: int = 86400  # an Idempotency-Key names the same request this long
     dev_api_key: str = "sk-le-dev-localdevelopment"  # created by `lastevent up` only
     default_max_tokens: int = 256
     max_model_len: int = 8192

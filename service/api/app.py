@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 from litestar import Litestar, Request, Response
+from litestar.config.cors import CORSConfig
 from litestar.di import Provide
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
@@ -19,6 +20,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from service.api import tokens
 from service.api.admission import Admission
 from service.api.auth import Authenticator, Principal
 from service.api.context import Context, Drain
@@ -28,7 +30,7 @@ from service.api.routes.completions import CompletionsController
 from service.api.routes.requests import RequestsController
 from service.api.routes.system import SystemController
 from service.api.sweeper import Sweeper
-from service.errors import ApiError, ServiceUnavailable
+from service.errors import ApiError, ServiceUnavailable, Unauthorized
 from service.ledger.api_keys import ApiKeys
 from service.ledger.ledger import Ledger, PostgresUnavailable, make_engine
 from service.settings import Settings
@@ -39,6 +41,7 @@ from service.store.log import RedisLog
 from service.store.pool import connect
 from service.store.presence import Presence
 from service.store.queue import Heartbeats, RequestQueue
+from service.store.shared import IdempotencyKeys
 from service.store.tail import LogTailer
 from service.tokenize import ModelInfo
 
@@ -99,6 +102,42 @@ def _internal_error(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
         }
     }
     return Response(body, status_code=500)
+
+
+async def _stream_token_principal(
+    ctx: Context, request: Request[Any, Any, Any], token: str
+) -> Principal:
+    """``?token=``: only on the routes that read one request (``opt`` ``stream_token``),
+    only for the request it was issued for."""
+    if not request.route_handler.opt.get("stream_token"):
+        raise Unauthorized(
+            "a stream token reads only the request it was issued for "
+            "(GET /v1/requests/{id} and /v1/requests/{id}/events); send an API key",
+            code="stream_token_not_accepted",
+        )
+    principal = (await ctx.stream_tokens()).verify(token, request.path_params["request_id"])
+    if principal is None:
+        raise Unauthorized(
+            "the stream token is not valid for this request (or it expired)",
+            code="invalid_stream_token",
+        )
+    return principal
+
+
+def cors_config(settings: Settings) -> CORSConfig | None:
+    """Cross-origin access for the origins in ``LASTEVENT_CORS_ORIGINS`` (none: no CORS
+    headers at all). Credentials are API keys and stream tokens, never cookies."""
+    origins = [o.strip() for o in settings.cors_origins.split(",") if o.strip()]
+    if not origins:
+        return None
+    return CORSConfig(
+        allow_origins=origins,
+        allow_methods=["GET", "POST", "OPTIONS"],
+        allow_headers=["Authorization", "Content-Type", "Last-Event-ID", "Idempotency-Key"],
+        expose_headers=["X-Request-Id", "Retry-After", tokens.HEADER],
+        allow_credentials=False,
+        max_age=600,
+    )
 
 
 @contextlib.asynccontextmanager
@@ -181,6 +220,7 @@ def _context(
         ),
         admission=Admission(Limits(redis, keys), Heartbeats(redis, keys), settings),
         drain=drain,
+        idempotency=IdempotencyKeys(redis, keys, settings.idempotency_ttl_s),
     )
 
 
@@ -204,9 +244,14 @@ def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
 
     async def provide_principal(request: Request[Any, Any, Any]) -> Principal:
         ctx: Context = request.app.state.ctx
-        return await ctx.auth.principal(request.headers.get("authorization"))
+        authorization = request.headers.get("authorization")
+        token = request.query_params.get(tokens.QUERY)
+        if token is not None and not authorization:
+            return await _stream_token_principal(ctx, request, token)
+        return await ctx.auth.principal(authorization)
 
     return Litestar(
+        cors_config=cors_config(settings),
         route_handlers=[
             CompletionsController,
             RequestsController,

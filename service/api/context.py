@@ -9,11 +9,13 @@ from redis.asyncio import Redis
 
 from service.api.admission import Admission
 from service.api.auth import Authenticator
+from service.api.tokens import StreamTokens
 from service.ledger.ledger import Ledger
 from service.settings import Settings
 from service.store.control import Control
 from service.store.log import RedisLog
 from service.store.presence import Presence
+from service.store.shared import IdempotencyKeys, stream_token_secret
 from service.store.tail import LogTailer
 from service.tokenize import ModelInfo
 
@@ -53,3 +55,16 @@ class Context:
     auth: Authenticator
     admission: Admission
     drain: Drain
+    idempotency: IdempotencyKeys
+    _tokens: StreamTokens | None = None
+
+    async def stream_tokens(self) -> StreamTokens:
+        """The stream-token signer (its secret from the settings, or shared via Redis and
+        read once, when first needed: the API starts while Redis is away)."""
+        if self._tokens is None:
+            secret = self.settings.stream_token_secret
+            raw = (
+                secret.encode() if secret else await stream_token_secret(self.redis, self.log.keys)
+            )
+            self._tokens = StreamTokens(raw, self.settings.stream_token_ttl_s)
+        return self._tokens

@@ -14,12 +14,14 @@ the response streams for as long as it needs.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from service.api import tokens
 from service.api.app import create_app
 from service.api.asgi import SendTimeoutMiddleware
 from service.api.context import Drain
@@ -49,7 +51,18 @@ def run(settings: Settings) -> None:
         h11_max_incomplete_event_size=64 * 1024,  # header flood guard
         http=guarded_h11(settings.request_read_timeout_s),  # slowloris guard
     )
+    # stream tokens travel in the query string: the access log shows it without them
+    logging.getLogger("uvicorn.access").addFilter(RedactTokens())
     DrainingServer(config).run()
+
+
+class RedactTokens(logging.Filter):
+    """Drop the value of ``token=`` from every access log line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(tokens.redact(a) if isinstance(a, str) else a for a in record.args)
+        return True
 
 
 def guarded_h11(read_timeout_s: float) -> type[H11Protocol]:

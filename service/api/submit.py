@@ -174,13 +174,17 @@ def submission(
 
 
 async def submit(
-    ctx: Context, sub: Submission, model_name: str, principal: Principal
+    ctx: Context,
+    sub: Submission,
+    model_name: str,
+    principal: Principal,
+    request_id: str | None = None,
 ) -> tuple[str, Created, Lease]:
     """Create the log (``created`` event), take the caller's reader lease, enqueue the job.
 
     The lease exists before any worker can see the job, so a worker never mistakes a
     request whose client is still connecting for an abandoned one."""
-    rid = new_request_id(sub.kind)
+    rid = request_id or new_request_id(sub.kind)
     await ctx.admission.check_capacity(len(ctx.presence))
     await ctx.admission.admit(who(principal.tenant, principal.key_id), rid)
     created = Created(

@@ -81,6 +81,16 @@ class Keys:
         """A key's (or tenant's) request count in one wall-clock minute."""
         return f"{self.prefix}:rate:{principal}:{minute}"
 
+    @property
+    def stream_token_secret(self) -> str:
+        """The secret stream tokens are signed with, made once and shared by every API
+        process (when LASTEVENT_STREAM_TOKEN_SECRET is not set)."""
+        return f"{self.prefix}:stream-token-secret"
+
+    def idempotency(self, principal: str, key: str) -> str:
+        """An ``Idempotency-Key`` of a key (or tenant): "<request id> <body digest>"."""
+        return f"{self.prefix}:idem:{principal}:{key}"
+
     def wake(self, process_id: str) -> str:
         """A per-API-process stream used to wake its multiplexed XREAD BLOCK."""
         return f"{self.prefix}:wake:{process_id}"

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
+import re
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -10,6 +13,7 @@ import msgspec
 from litestar import Controller, Request, Response, post
 from litestar.response import Stream
 
+from service.api import tokens
 from service.api.auth import Principal
 from service.api.context import Context
 from service.api.metrics import REQUESTS
@@ -20,14 +24,27 @@ from service.api.schemas import (
     error_responses,
     message_dicts,
 )
-from service.api.submit import Submission, check_model, submission, submit
-from service.errors import ApiError, InvalidRequest
+from service.api.submit import (
+    Submission,
+    check_model,
+    new_request_id,
+    no_such_request,
+    submission,
+    submit,
+)
+from service.errors import ApiError, InvalidRequest, Unprocessable
+from service.store.keys import principal as who
+from service.store.presence import Lease
 from service.stream import sse
-from service.stream.events import Kind
+from service.stream.events import Created, Kind
+from service.stream.ids import Cursor, InvalidEventId
 from service.stream.lifecycle import State
 from service.stream.render import error_object
 
 REQUEST_ID_HEADER = "X-Request-Id"
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+REPLAYED_HEADER = "Idempotent-Replayed"  # the answer is that of an earlier POST (Stripe's name)
+_KEY = re.compile(r"[\x21-\x7e]{1,255}")
 T = TypeVar("T")
 
 # a number too large for a float (1e400) becomes inf, so that the field's own bound names
@@ -56,15 +73,109 @@ async def _answer(
     sub: Submission,
     principal: Principal,
 ) -> Response[Any] | Stream:
-    rid, created, lease = await submit(ctx, sub, body.model, principal)
+    signer = await ctx.stream_tokens()  # (before the request exists: nothing to undo)
+    key = idempotency_key(request)
+    if key is None:
+        rid, created, lease = await submit(ctx, sub, body.model, principal)
+    else:  # the same key and body again (a retry after a lost response): the same request
+        who_ = who(principal.tenant, principal.key_id)
+        # the body's JSON, not its bytes: a retry may space or order it another way
+        canonical = msgspec.json.encode(await request.json(), order="sorted")
+        digest = hashlib.sha256(canonical).hexdigest()
+        rid = new_request_id(sub.kind)
+        bound = await ctx.idempotency.claim(who_, key, rid, digest)
+        if bound is not None:
+            return await _again(ctx, request, body, principal, bound, digest, signer)
+        try:
+            rid, created, lease = await submit(ctx, sub, body.model, principal, rid)
+        except BaseException:  # refused (429, 503, ...): a retry with this key may try again
+            with contextlib.suppress(Exception):
+                await ctx.idempotency.release(who_, key, rid)
+            raise
     REQUESTS.labels(kind=str(sub.kind), stream=str(bool(body.stream)).lower()).inc()
-    headers = {REQUEST_ID_HEADER: rid}
+    headers = _headers(signer, principal, rid)
     if body.stream:
         return Stream(
             sse_frames(ctx, rid, created, lease=lease),
             media_type=sse.MEDIA_TYPE,
             headers={**sse.HEADERS, **headers},
         )
+    return await _collected(ctx, request, rid, created, lease, headers)
+
+
+def _headers(signer: tokens.StreamTokens, principal: Principal, rid: str) -> dict[str, str]:
+    """The request id, and a stream token for reading it without the API key."""
+    return {REQUEST_ID_HEADER: rid, tokens.HEADER: signer.issue(principal, rid)}
+
+
+def idempotency_key(request: Request[Any, Any, Any]) -> str | None:
+    raw = request.headers.get(IDEMPOTENCY_HEADER)
+    if raw is None:
+        return None
+    if not _KEY.fullmatch(raw):
+        raise InvalidRequest(
+            "Idempotency-Key must be 1 to 255 printable ASCII characters",
+            param=IDEMPOTENCY_HEADER,
+            code="invalid_idempotency_key",
+        )
+    return raw
+
+
+async def _again(
+    ctx: Context,
+    request: Request[Any, Any, Any],
+    body: Any,
+    principal: Principal,
+    bound: tuple[str, str],
+    digest: str,
+    signer: tokens.StreamTokens,
+) -> Response[Any] | Stream:
+    """A POST whose Idempotency-Key made a request already: that request again -- its
+    stream from the start, or after the POST's ``Last-Event-ID`` -- or, with another
+    body, a 422 (the key names one request, never two)."""
+    rid, bound_digest = bound
+    if bound_digest != digest:
+        raise Unprocessable(
+            "this Idempotency-Key was used with another request body",
+            param=IDEMPOTENCY_HEADER,
+            code="idempotency_key_reused",
+        )
+    created = None
+    for _ in range(50):  # the first POST may still be creating it (one round trip)
+        created = await ctx.log.first(rid)
+        if created is not None:
+            break
+        await asyncio.sleep(0.05)
+    if created is None or created.tenant != principal.tenant:
+        raise no_such_request(rid)
+    headers = {**_headers(signer, principal, rid), REPLAYED_HEADER: "true"}
+    if body.stream:
+        raw = request.headers.get("last-event-id")
+        cursor = None
+        if raw:
+            try:
+                cursor = Cursor.parse(raw)
+            except InvalidEventId as exc:
+                raise InvalidRequest(
+                    str(exc), param="Last-Event-ID", code="invalid_event_id"
+                ) from None
+        return Stream(
+            sse_frames(ctx, rid, created, cursor),
+            media_type=sse.MEDIA_TYPE,
+            headers={**sse.HEADERS, **headers},
+        )
+    lease = await ctx.presence.acquire(rid)
+    return await _collected(ctx, request, rid, created, lease, headers)
+
+
+async def _collected(
+    ctx: Context,
+    request: Request[Any, Any, Any],
+    rid: str,
+    created: Created,
+    lease: Lease,
+    headers: dict[str, str],
+) -> Response[Any]:
     agg = await until_disconnect(request, collect(ctx, rid, created, lease))
     if agg is None:  # the client went away; its lease is released, the grace period runs
         return Response(b"", status_code=499, headers=headers)

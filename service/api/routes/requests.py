@@ -68,6 +68,7 @@ class RequestsController(Controller):
         "/{request_id:str}/events",
         summary="Stream a request's events (resumable)",
         responses=error_responses(400, 401, 404),
+        opt={"stream_token": True},
     )
     async def events(
         self,
@@ -116,6 +117,7 @@ class RequestsController(Controller):
         "/{request_id:str}",
         summary="A request's state, finish_reason and usage",
         responses=error_responses(401, 404),
+        opt={"stream_token": True},
     )
     async def status(self, ctx: Context, principal: Principal, request_id: str) -> dict[str, Any]:
         found = await request_status(ctx, checked_request_id(request_id))

@@ -8,6 +8,7 @@ from typing import Any
 import prometheus_client
 from litestar import Controller, Response, get
 
+from service.api.auth import Principal
 from service.api.context import Context
 from service.store import pool
 
@@ -18,19 +19,19 @@ class SystemController(Controller):
     tags = ("system",)
 
     @get("/v1/models", summary="The served model")
-    async def models(self, ctx: Context) -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": ctx.model.name,
-                    "object": "model",
-                    "created": _STARTED,
-                    "owned_by": "lastevent",
-                    "max_model_len": ctx.model.max_model_len,
-                }
-            ],
-        }
+    async def models(self, ctx: Context, principal: Principal) -> dict[str, Any]:
+        """Behind an API key like every /v1 route (a key limited to other models sees
+        none)."""
+        served = [
+            {
+                "id": ctx.model.name,
+                "object": "model",
+                "created": _STARTED,
+                "owned_by": "lastevent",
+                "max_model_len": ctx.model.max_model_len,
+            }
+        ]
+        return {"object": "list", "data": served if principal.may_use(ctx.model.name) else []}
 
     @get("/healthz", summary="The process is up")
     async def healthz(self) -> dict[str, str]:

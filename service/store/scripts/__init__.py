@@ -31,6 +31,7 @@ NAMES = (
     "leave",
     "requeue",
     "resumed",
+    "unclaim",
 )
 
 

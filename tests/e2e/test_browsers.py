@@ -1,0 +1,229 @@
+"""What a web or mobile client needs from the server: CORS, stream tokens (EventSource
+cannot send Authorization), a stream that starts with ``retry:``, and idempotent submits
+(a POST cut before its response, sent again, is the same request, not a second one).
+
+The clients themselves (the JS and Python clients, EventSource, Chromium) are the
+``make test-clients`` tier (tests/clients)."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+import redis
+from httpx_sse import EventSource
+
+from service.store.keys import Keys
+from tests.e2e.conftest import Stack, running
+from tests.e2e.helpers import LONG, chat_body, content_of
+from tests.e2e.test_auth import auth, make_key
+from tests.waiting import wait_until
+
+ORIGIN = "https://app.example"
+
+
+@pytest.fixture(scope="module")
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
+) -> Iterator[Stack]:
+    with running(
+        tmp_path_factory.mktemp("browsers"),
+        redis_url,
+        database_url,
+        model_dir,
+        auth="required",
+        cors_origins=f"{ORIGIN}, https://other.example",
+        scripted_tokens_per_s=400.0,
+    ) as st:
+        yield st
+
+
+@pytest.fixture(scope="module")
+def key(stack: Stack, database_url: str) -> str:
+    return make_key(database_url, "webshop")
+
+
+def test_a_preflight_from_an_allowed_origin_is_answered(stack: Stack) -> None:
+    pre = httpx.options(
+        f"{stack.url}/v1/chat/completions",
+        headers={
+            "Origin": ORIGIN,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type, idempotency-key",
+        },
+    )
+    assert pre.status_code in (200, 204), pre.text
+    assert pre.headers["access-control-allow-origin"] == ORIGIN
+    allowed = pre.headers["access-control-allow-headers"].lower()
+    assert {"authorization", "content-type", "idempotency-key", "last-event-id"} <= {
+        h.strip() for h in allowed.split(",")
+    }
+    other = httpx.options(
+        f"{stack.url}/v1/chat/completions",
+        headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
+    )
+    assert "access-control-allow-origin" not in other.headers
+
+
+def test_a_cross_origin_post_exposes_the_request_id_and_the_stream_token(
+    stack: Stack, key: str
+) -> None:
+    resp = httpx.post(
+        f"{stack.url}/v1/chat/completions",
+        json=chat_body(stack.model, "hello there"),
+        headers={**auth(key), "Origin": ORIGIN},
+        timeout=30,
+    )
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["access-control-allow-origin"] == ORIGIN
+    exposed = {h.strip().lower() for h in resp.headers["access-control-expose-headers"].split(",")}
+    assert {"x-request-id", "x-stream-token", "retry-after"} <= exposed
+    assert resp.headers["x-stream-token"]
+
+
+def test_a_stream_token_reads_its_request_and_nothing_else(
+    stack: Stack, key: str, database_url: str
+) -> None:
+    with httpx.Client(base_url=stack.url, timeout=30) as c:
+        first = c.post("/v1/chat/completions", json=chat_body(stack.model, LONG), headers=auth(key))
+        second = c.post("/v1/chat/completions", json=chat_body(stack.model, "x"), headers=auth(key))
+        rid, token = first.headers["x-request-id"], first.headers["x-stream-token"]
+        # no key, the token in the query (what EventSource can do): the whole stream
+        with c.stream("GET", f"/v1/requests/{rid}/events", params={"token": token}) as r:
+            assert r.status_code == 200
+            events = list(EventSource(r).iter_sse())
+        assert content_of(events) == LONG
+        status = c.get(f"/v1/requests/{rid}", params={"token": token})
+        assert status.status_code == 200 and status.json()["state"] == "finished"
+        # another request's stream, another route, a forged or truncated token: 401
+        other = second.headers["x-request-id"]
+        for url in (f"/v1/requests/{other}/events", f"/v1/requests/{other}"):
+            denied = c.get(url, params={"token": token})
+            assert denied.status_code == 401, denied.text
+            assert denied.json()["error"]["code"] == "invalid_stream_token"
+        cancel = c.post(f"/v1/requests/{rid}/cancel", params={"token": token})
+        assert cancel.status_code == 401
+        assert cancel.json()["error"]["code"] == "stream_token_not_accepted"
+        post = c.post(
+            "/v1/chat/completions", json=chat_body(stack.model, "x"), params={"token": token}
+        )
+        assert post.status_code == 401
+        forged = token[:-2] + ("AA" if not token.endswith("AA") else "BB")
+        assert c.get(f"/v1/requests/{rid}", params={"token": forged}).status_code == 401
+        # another tenant's token for this id would say another tenant: the same 404
+        globex = make_key(database_url, "globex-browsers")
+        theirs = c.post(
+            "/v1/chat/completions", json=chat_body(stack.model, "y"), headers=auth(globex)
+        )
+        assert (
+            c.get(f"/v1/requests/{theirs.headers['x-request-id']}", headers=auth(key)).status_code
+            == 404
+        )
+    # the token never reaches the access log
+    api_log = stack.tail("api-" + urlsplit(stack.url).port.__str__(), 10**7)
+    assert f"/v1/requests/{rid}/events?token=[redacted]" in api_log
+    assert token not in api_log
+
+
+def test_models_need_a_key(stack: Stack, key: str) -> None:
+    assert httpx.get(f"{stack.url}/v1/models").status_code == 401
+    models = httpx.get(f"{stack.url}/v1/models", headers=auth(key))
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == stack.model
+
+
+def test_every_stream_starts_with_a_reconnect_hint(stack: Stack, key: str) -> None:
+    body = chat_body(stack.model, "hint", stream=True)
+    with httpx.stream(
+        "POST", f"{stack.url}/v1/chat/completions", json=body, headers=auth(key), timeout=30
+    ) as r:
+        raw = b"".join(r.iter_bytes())
+        rid = r.headers["x-request-id"]
+    assert raw.startswith(b"retry: 1000\n")
+    again = httpx.get(f"{stack.url}/v1/requests/{rid}/events", headers=auth(key), timeout=30)
+    assert again.content.startswith(b"retry: 1000\n")
+    # data before id in every event
+    for block in raw.split(b"\n\n"):
+        lines = [line for line in block.split(b"\n") if line and not line.startswith(b":")]
+        fields = [line.split(b":", 1)[0] for line in lines if not line.startswith(b"retry")]
+        if b"id" in fields:
+            assert fields.index(b"data") < fields.index(b"id"), block
+
+
+def _count_requests(st: Stack) -> int:
+    r = redis.Redis.from_url(st.settings.redis_url or "")
+    return sum(1 for _ in r.scan_iter(match=f"{Keys(st.settings.key_prefix).prefix}:*:meta"))
+
+
+def test_a_post_cut_before_its_response_is_not_run_twice(stack: Stack, key: str) -> None:
+    """The client sends the POST and loses the connection before any response byte: it
+    never learns the request id. Sent again with the same Idempotency-Key, it is the same
+    request (the same id, the answer from its start) -- not a second generation."""
+    before = _count_requests(stack)
+    body = json.dumps(chat_body(stack.model, LONG, stream=True)).encode()
+    host, port = urlsplit(stack.url).hostname or "", urlsplit(stack.url).port or 0
+    with socket.create_connection((host, port)) as s:
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {key}\r\nIdempotency-Key: order-4711\r\n".encode()
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+    wait_until(lambda: _count_requests(stack) == before + 1, "the first POST's request")
+    headers = {**auth(key), "Idempotency-Key": "order-4711"}
+    with httpx.stream(
+        "POST",
+        f"{stack.url}/v1/chat/completions",
+        json=chat_body(stack.model, LONG, stream=True),
+        headers=headers,
+        timeout=30,
+    ) as r:
+        assert r.status_code == 200
+        assert r.headers["idempotent-replayed"] == "true"
+        events = list(EventSource(r).iter_sse())
+        rid = r.headers["x-request-id"]
+    assert content_of(events) == LONG
+    assert _count_requests(stack) == before + 1  # one request, one generation
+    # once more, resuming after the fifth event: the rest only
+    with httpx.stream(
+        "POST",
+        f"{stack.url}/v1/chat/completions",
+        json=chat_body(stack.model, LONG, stream=True),
+        headers={**headers, "Last-Event-ID": events[4].id},
+        timeout=30,
+    ) as r:
+        rest = list(EventSource(r).iter_sse())
+        assert r.headers["x-request-id"] == rid
+    assert content_of(events[:5]) + content_of(rest) == LONG
+    # the same key with another body: 422, and nothing is created
+    other = httpx.post(
+        f"{stack.url}/v1/chat/completions",
+        json=chat_body(stack.model, "something else"),
+        headers=headers,
+        timeout=30,
+    )
+    assert other.status_code == 422
+    assert other.json()["error"]["code"] == "idempotency_key_reused"
+    assert _count_requests(stack) == before + 1
+
+
+def test_an_idempotent_non_streaming_post_answers_the_same(stack: Stack, key: str) -> None:
+    headers = {**auth(key), "Idempotency-Key": "same-twice"}
+    body = chat_body(stack.model, "the same answer twice")
+    a = httpx.post(f"{stack.url}/v1/chat/completions", json=body, headers=headers, timeout=30)
+    b = httpx.post(f"{stack.url}/v1/chat/completions", json=body, headers=headers, timeout=30)
+    assert a.status_code == b.status_code == 200
+    assert a.json()["id"] == b.json()["id"] == b.headers["x-request-id"]
+    assert a.json()["choices"] == b.json()["choices"]
+    assert "idempotent-replayed" not in a.headers
+    bad = httpx.post(
+        f"{stack.url}/v1/chat/completions",
+        json=body,
+        headers={**auth(key), "Idempotency-Key": "with space"},
+        timeout=30,
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_idempotency_key"
