@@ -27,6 +27,7 @@ from service.api.context import Context, Drain
 from service.api.metrics import REJECTED
 from service.api.routes.admin import AdminController
 from service.api.routes.completions import CompletionsController
+from service.api.routes.playground import PlaygroundController
 from service.api.routes.requests import RequestsController
 from service.api.routes.system import SystemController
 from service.api.sweeper import Sweeper
@@ -257,6 +258,7 @@ def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
             RequestsController,
             SystemController,
             AdminController,
+            PlaygroundController,
         ],
         dependencies={
             "ctx": Provide(provide_ctx, sync_to_thread=False),

@@ -6,7 +6,7 @@ Python) against a real stack through a CuttingProxy.
   enough for many cuts), CORS allowed for ``other_origin``.
 - ``api_key``: a key of tenant ``webapp`` on that stack.
 - ``proxy``: a fresh CuttingProxy in front of the API for each test (its counters are the
-  test's own).
+  test's own) that also records each connection's request line (``RecordingProxy``).
 - ``node``: runs a Node script (cwd tests/clients, where ``npm ci`` put node_modules).
 """
 
@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -128,9 +128,46 @@ def api_target(stack: Stack) -> tuple[str, int]:
     return parts.hostname, parts.port
 
 
+class _FirstBytes:
+    """A StreamReader that hands its first bytes to ``seen`` (CuttingProxy only reads)."""
+
+    def __init__(self, reader: asyncio.StreamReader, seen: Callable[[bytes], None]) -> None:
+        self._reader, self._seen = reader, seen
+        self._first = True
+
+    async def read(self, n: int = -1) -> bytes:
+        data = await self._reader.read(n)
+        if self._first:
+            self._first = False
+            self._seen(data)
+        return data
+
+
+class RecordingProxy(CuttingProxy):
+    """A CuttingProxy that also records the request line each connection opened with
+    (``b""``: a connection that sent nothing), so a test can count requests, not only
+    connections."""
+
+    def __init__(self, target: tuple[str, int], **kw: Any) -> None:
+        super().__init__(target, **kw)
+        self.request_lines: list[str] = []
+
+    @property
+    def requests(self) -> list[str]:
+        """The request lines of the connections that sent one."""
+        return [line for line in self.request_lines if line]
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        def seen(data: bytes) -> None:
+            self.request_lines.append(data.split(b"\r\n", 1)[0].decode("latin-1"))
+
+        await super()._handle(_FirstBytes(reader, seen), writer)  # type: ignore[arg-type]
+
+
 @pytest.fixture
-def proxy(clients_stack: ClientStack) -> Iterator[CuttingProxy]:
-    p = CuttingProxy(api_target(clients_stack), min_bytes=300, max_bytes=3000).start()
+def proxy(clients_stack: ClientStack) -> Iterator[RecordingProxy]:
+    p = RecordingProxy(api_target(clients_stack), min_bytes=300, max_bytes=3000)
+    p.start()
     try:
         yield p
     finally:
@@ -159,16 +196,18 @@ def _node_modules() -> None:
 
 @pytest.fixture(scope="session")
 def node() -> Any:
-    """``node(script, env={...}, timeout=...)`` -> NodeRun; the script's path is relative
-    to tests/clients; ``env`` is added to this process's environment."""
+    """``node(script, *args, env={...}, timeout=...)`` -> NodeRun; the script's path is
+    relative to tests/clients; ``env`` is added to this process's environment."""
     exe = shutil.which("node")
     if exe is None:
         pytest.fail("node is not installed (Node 18+ is needed for tests/clients)")
     _node_modules()
 
-    def run(script: str, *, env: dict[str, str] | None = None, timeout: float = 180) -> NodeRun:
+    def run(
+        script: str, *args: str, env: dict[str, str] | None = None, timeout: float = 180
+    ) -> NodeRun:
         proc = subprocess.run(
-            [exe, str(HERE / script)],
+            [exe, str(HERE / script), *args],
             cwd=HERE,
             env={**os.environ, **(env or {})},
             capture_output=True,

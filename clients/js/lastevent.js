@@ -1,0 +1,1 @@
+../../service/api/static/lastevent.js
