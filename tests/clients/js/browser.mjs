@@ -1,0 +1,83 @@
+// Real headless Chromium (Debian's /usr/bin/chromium, never a downloaded one) through
+// playwright-core, run by tests/clients/test_browser.py: `node browser.mjs MODE`;
+// prints one JSON line (the result) last.
+//
+// playground: open /playground, type the question, press Send, press "Drop the
+//   connection" once mid-answer, wait for the end; the answer shown, the state shown.
+// eventsource: open a page of another origin (PAGE_URL) that follows an answer with a
+//   plain EventSource and a stream token; wait until the EventSource is CLOSED.
+import { mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+
+import { chromium } from "playwright-core";
+
+const env = process.env;
+const TIMEOUT_MS = 150_000; // a safety net only: every wait below is for an event
+
+const profile = mkdtempSync(join(tmpdir(), "lastevent-chromium-"));
+const context = await chromium.launchPersistentContext(profile, {
+  executablePath: env.CHROMIUM || "/usr/bin/chromium",
+  headless: true,
+  args: [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+  ],
+  viewport: { width: 1000, height: 860 },
+});
+const page = context.pages()[0] || (await context.newPage());
+const consoleLines = [];
+page.on("console", (m) => consoleLines.push(`${m.type()}: ${m.text()}`));
+page.on("pageerror", (e) => consoleLines.push(`pageerror: ${e.message}`));
+
+async function playground() {
+  await page.goto(env.PAGE_URL, { waitUntil: "load" });
+  await page.fill("#api-key", env.LASTEVENT_API_KEY);
+  await page.fill("#model", env.LASTEVENT_MODEL);
+  await page.fill("#question", env.QUESTION);
+  await page.click("#send");
+  // mid-answer: some text shown, the end not yet there
+  await page.waitForFunction(() => (window.playground.answer || "").length > 60, null, { timeout: TIMEOUT_MS });
+  const before = await page.evaluate(() => ({ ...window.playground }));
+  await page.click("#drop");
+  await page.waitForFunction(() => window.playground.done, null, { timeout: TIMEOUT_MS, polling: 100 });
+  const after = await page.evaluate(() => ({ ...window.playground }));
+  const shown = {
+    answer: await page.textContent("#answer"),
+    state: await page.textContent("#state"),
+    reconnects: Number(await page.textContent("#reconnects")),
+    error: await page.textContent("#error"),
+    log: await page.$$eval("#log li", (lis) => lis.map((li) => li.textContent)),
+  };
+  if (env.SCREENSHOT) {
+    await page.fill("#api-key", ""); // nothing secret in a picture
+    await page.screenshot({ path: env.SCREENSHOT, fullPage: true });
+  }
+  return { before, after, shown };
+}
+
+async function eventsource() {
+  await page.goto(env.PAGE_URL, { waitUntil: "load" });
+  await page.waitForFunction(() => window.result.closed || window.result.failure, null, { timeout: TIMEOUT_MS, polling: 100 });
+  return { result: await page.evaluate(() => ({ ...window.result })) };
+}
+
+const modes = { playground, eventsource };
+const mode = process.argv[2];
+try {
+  if (!modes[mode]) throw new Error(`mode: one of ${Object.keys(modes).join(", ")}`);
+  const result = await modes[mode]();
+  console.log(JSON.stringify({ ...result, console: consoleLines }));
+} catch (e) {
+  console.error(`${e.stack || e}\nbrowser console:\n${consoleLines.join("\n")}`);
+  process.exitCode = 1;
+} finally {
+  await context.close();
+  rmSync(profile, { recursive: true, force: true });
+}
