@@ -24,7 +24,13 @@ from lastevent_client._core import StreamState, text_of
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from tests.clients.conftest import QUESTION, ClientStack, api_target, make_key
+from tests.clients.conftest import (
+    QUESTION,
+    RECONNECT_HINT_MS,
+    ClientStack,
+    api_target,
+    make_key,
+)
 from tests.clients.proxy import CuttingProxy
 from tests.e2e.conftest import Stack, running
 from tests.e2e.helpers import ledger_row
@@ -77,6 +83,7 @@ def test_sync_stream_resumes_exactly_through_cuts(
         assert stream.finish_reason == "stop"
         assert stream.request_id and stream.last_event_id and stream.stream_token
         assert stream.reconnects > 0
+        assert stream.retry_ms == RECONNECT_HINT_MS  # every stream starts with retry:
         assert proxy.cuts >= stream.reconnects
         # every connection the client made is one the proxy saw (a cut one is never reused)
         assert at_end == stream.reconnects + 1
@@ -269,6 +276,33 @@ def test_same_idempotency_key_same_request_other_body_422(
             other.text()
     assert reused.value.status == 422
     assert reused.value.code == "idempotency_key_reused"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="server: a POST with the same Idempotency-Key and Last-Event-ID at the terminal "
+    "event answers 200 and then only `: ping` for ever (GET .../events answers 204)",
+)
+def test_post_again_at_the_terminal_event_is_204(clients_stack: ClientStack, api_key: str) -> None:
+    """What an id-per-line client (fetch-event-source, POST mode) sends when a cut takes
+    the id of [DONE] early: the same POST with Last-Event-ID at the terminal event."""
+    key = f"k-{uuid.uuid4().hex}"
+    body = {"model": clients_stack.model, "messages": USER, "stream": True}
+    with Client(clients_stack.url, api_key) as client:
+        first = client.chat.stream(model=clients_stack.model, messages=USER, idempotency_key=key)
+        assert first.text() == QUESTION
+    assert first.last_event_id is not None
+    headers = {
+        "Authorization": f"Bearer {api_key}",
+        "Idempotency-Key": key,
+        "Last-Event-ID": first.last_event_id,
+    }
+    with (
+        httpx.Client(base_url=clients_stack.url, timeout=30) as c,
+        c.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r,
+    ):
+        assert r.headers.get("x-request-id") == first.request_id
+        assert r.status_code == 204
 
 
 # ---------------------------------------------------------------------- in-band errors

@@ -113,6 +113,11 @@ class _StreamInfo:
         return self._state.reconnects
 
     @property
+    def retry_ms(self) -> int | None:
+        """The server's last ``retry:`` hint (the base of the reconnect backoff)."""
+        return self._state.retry_ms
+
+    @property
     def finish_reason(self) -> str | None:
         return self._state.finish_reason
 

@@ -62,6 +62,9 @@ try {
     async onopen(r) {
       requestId ??= r.headers.get("x-request-id");
       if (r.status === 204) {
+        // the end, when [DONE] itself was lost to the early id (GET only: the same POST
+        // again at the terminal event is not answered 204 by the server)
+        doneAt ??= connections.length;
         ended204 = true;
         throw new Fatal("204: nothing more");
       }
