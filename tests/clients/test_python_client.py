@@ -278,11 +278,6 @@ def test_same_idempotency_key_same_request_other_body_422(
     assert reused.value.code == "idempotency_key_reused"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="server: a POST with the same Idempotency-Key and Last-Event-ID at the terminal "
-    "event answers 200 and then only `: ping` for ever (GET .../events answers 204)",
-)
 def test_post_again_at_the_terminal_event_is_204(clients_stack: ClientStack, api_key: str) -> None:
     """What an id-per-line client (fetch-event-source, POST mode) sends when a cut takes
     the id of [DONE] early: the same POST with Last-Event-ID at the terminal event."""

@@ -227,3 +227,32 @@ def test_an_idempotent_non_streaming_post_answers_the_same(stack: Stack, key: st
         timeout=30,
     )
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_idempotency_key"
+
+
+def test_a_client_with_it_all_gets_204_however_it_asks(stack: Stack, key: str) -> None:
+    """At the terminal event (its last frame, or a frame past it; by GET or by the same
+    idempotent POST again): 204, never a 200 that pings for ever."""
+    headers = {**auth(key), "Idempotency-Key": "all-of-it"}
+    body = chat_body(stack.model, "all of it", stream=True)
+    with httpx.stream(
+        "POST", f"{stack.url}/v1/chat/completions", json=body, headers=headers, timeout=30
+    ) as r:
+        events = list(EventSource(r).iter_sse())
+        rid = r.headers["x-request-id"]
+    last = events[-1].id
+    base = last.split(":")[0]
+    for cursor in (last, f"{base}:99"):
+        got = httpx.get(
+            f"{stack.url}/v1/requests/{rid}/events",
+            headers={**auth(key), "Last-Event-ID": cursor},
+            timeout=30,
+        )
+        assert got.status_code == 204, (cursor, got.text)
+        again = httpx.post(
+            f"{stack.url}/v1/chat/completions",
+            json=body,
+            headers={**headers, "Last-Event-ID": cursor},
+            timeout=30,
+        )
+        assert again.status_code == 204, (cursor, again.text)
+        assert again.headers["x-request-id"] == rid

@@ -17,7 +17,7 @@ from service.api import tokens
 from service.api.auth import Principal
 from service.api.context import Context
 from service.api.metrics import REQUESTS
-from service.api.readers import collect, sse_frames
+from service.api.readers import collect, nothing_after, sse_frames
 from service.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -159,6 +159,15 @@ async def _again(
                 raise InvalidRequest(
                     str(exc), param="Last-Event-ID", code="invalid_event_id"
                 ) from None
+            _, known, last = await ctx.log.look(rid, cursor.event)
+            if not known:
+                raise InvalidRequest(
+                    f"event id '{cursor}' is not an event of request '{rid}'",
+                    param="Last-Event-ID",
+                    code="invalid_event_id",
+                )
+            if nothing_after(rid, created, last, cursor):  # it has it all: stop
+                return Response(b"", status_code=204, headers=headers)
         return Stream(
             sse_frames(ctx, rid, created, cursor),
             media_type=sse.MEDIA_TYPE,

@@ -12,7 +12,7 @@ from litestar.response import Stream
 from service.api.auth import Principal
 from service.api.context import Context
 from service.api.metrics import RESUMES
-from service.api.readers import cold_frames, sse_frames
+from service.api.readers import cold_frames, nothing_after, sse_frames
 from service.api.routes.completions import REQUEST_ID_HEADER
 from service.api.schemas import error_responses
 from service.api.status import request_status
@@ -93,10 +93,11 @@ class RequestsController(Controller):
         created = _owned(found, principal, request_id)
         if created is None:  # the hot log is gone: one cursor, served from the archive
             entries = await _archived(ctx, request_id)
-            _owned(entries[0][1], principal, request_id, required=True)
+            cold = _owned(entries[0][1], principal, request_id, required=True)
+            assert cold is not None
             if cursor is not None and cursor.event not in {eid for eid, _ in entries}:
                 raise _foreign(cursor, request_id, param)
-            if cursor is not None and cursor.event == entries[-1][0] and cursor.frame is None:
+            if nothing_after(request_id, cold, entries[-1], cursor):
                 return Response(b"", status_code=204, headers={REQUEST_ID_HEADER: request_id})
             hint = ctx.settings.reconnect_hint_ms
             frames = cold_frames(request_id, entries, cursor, hint)
@@ -105,8 +106,7 @@ class RequestsController(Controller):
             RESUMES.inc()
             if not known:
                 raise _foreign(cursor, request_id, param)
-            ended = last is not None and isinstance(last[1], End) and cursor.event == last[0]
-            if ended and cursor.frame is None:
+            if nothing_after(request_id, created, last, cursor):
                 # the client has it all: 204 is how the SSE standard tells it to stop (an
                 # empty 200 makes EventSource reconnect every few seconds, for ever)
                 return Response(b"", status_code=204, headers={REQUEST_ID_HEADER: request_id})
