@@ -302,18 +302,18 @@ def test_a_rolling_restart_under_load_drops_nothing(stack: Stack) -> None:
     """SIGTERM each worker in turn under 20 streams, starting its replacement first: a
     stopping worker lets requests finish for ``worker_drain_s`` and hands the rest over."""
     st, since = stack, now()
-    procs = {
-        "a": st.start_worker("a", worker_drain_s=0.5),
-        "b": st.start_worker("b", worker_drain_s=0.5),
-    }
+    slow = {"worker_drain_s": 0.5, "scripted_tokens_per_s": 15.0}  # ~20 s answers
+    procs = {"a": st.start_worker("a", **slow), "b": st.start_worker("b", **slow)}
     st.start_api()
     clients = start_streams(st, [Stream(q) for q in questions(20)])
     clients.wait_started()
     for name in ("a", "b"):
-        st.start_worker(f"{name}2", worker_drain_s=0.5)
+        st.start_worker(f"{name}2", **slow)
         procs[name].send_signal(signal.SIGTERM)
         assert procs[name].wait(timeout=SAFETY_S) == 0, st.tail(name)
-        assert "handed over to another worker" in st.tail(name, 10**7)
+    # the first one stopped with answers running (the second may have none left by then,
+    # on a slow machine: what it ran can have finished)
+    assert "handed over to another worker" in st.tail("a", 10**7)
     clients.join()
     handed = 0
     for s in clients.streams:
