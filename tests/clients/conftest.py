@@ -16,9 +16,10 @@ import asyncio
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -27,7 +28,7 @@ import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from service.ledger.api_keys import ApiKeys
-from tests.clients.proxy import CuttingProxy
+from tests.clients.proxy import CuttingProxy, _pipe
 from tests.e2e.conftest import Stack, free_port, make_stack
 from tests.e2e.helpers import LONG
 
@@ -128,40 +129,90 @@ def api_target(stack: Stack) -> tuple[str, int]:
     return parts.hostname, parts.port
 
 
-class _FirstBytes:
-    """A StreamReader that hands its first bytes to ``seen`` (CuttingProxy only reads)."""
+@dataclasses.dataclass
+class Exchange:
+    """One connection through a RecordingProxy: the request line it opened with (``""``:
+    it sent nothing), the first line the server answered (``""``: none came through),
+    and whether the proxy cut it."""
 
-    def __init__(self, reader: asyncio.StreamReader, seen: Callable[[bytes], None]) -> None:
-        self._reader, self._seen = reader, seen
-        self._first = True
-
-    async def read(self, n: int = -1) -> bytes:
-        data = await self._reader.read(n)
-        if self._first:
-            self._first = False
-            self._seen(data)
-        return data
+    request: str = ""
+    response: str = ""
+    cut: bool = False
+    budget: int | None = None  # the bytes the server side may send before the cut
 
 
 class RecordingProxy(CuttingProxy):
-    """A CuttingProxy that also records the request line each connection opened with
-    (``b""``: a connection that sent nothing), so a test can count requests, not only
-    connections."""
+    """A CuttingProxy that also records each connection's request line and status line
+    (``exchanges``), so a test counts requests, not only connections, and sees what each
+    one was answered. Connections whose request line starts with one of ``spared`` are
+    not cut and are closed after their response (``Connection: close``: nothing else rides
+    on them) -- a page's own files, which would not load if cut at 300 bytes. ``budgets``:
+    the bytes after which the first connections are cut (then random ones)."""
 
-    def __init__(self, target: tuple[str, int], **kw: Any) -> None:
+    def __init__(
+        self,
+        target: tuple[str, int],
+        *,
+        spared: tuple[str, ...] = (),
+        budgets: tuple[int, ...] = (),
+        **kw: Any,
+    ) -> None:
         super().__init__(target, **kw)
-        self.request_lines: list[str] = []
+        self.spared = spared
+        self.budgets = list(budgets)  # the first cut connections' budgets, then random ones
+        self.exchanges: list[Exchange] = []
+
+    @property
+    def request_lines(self) -> list[str]:
+        return [x.request for x in self.exchanges]
 
     @property
     def requests(self) -> list[str]:
         """The request lines of the connections that sent one."""
-        return [line for line in self.request_lines if line]
+        return [x.request for x in self.exchanges if x.request]
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        def seen(data: bytes) -> None:
-            self.request_lines.append(data.split(b"\r\n", 1)[0].decode("latin-1"))
+        self.connections += 1
+        x = Exchange()
+        self.exchanges.append(x)
+        first = await reader.read(65536)
+        x.request = first.split(b"\r\n", 1)[0].decode("latin-1")
+        spared = x.request.startswith(self.spared)
+        if spared:
+            head, sep, rest = first.partition(b"\r\n\r\n")
+            head = re.sub(rb"\r\nconnection:[^\r]*", b"", head, flags=re.I)
+            first = head + b"\r\nConnection: close" + sep + rest
+        budget = None
+        if self.cutting and not spared:
+            budget = self.budgets.pop(0) if self.budgets else None
+            budget = budget or self._random.randint(self.min_bytes, self.max_bytes)
+        x.budget = budget
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.close()
+            return
+        up_writer.write(first)
+        upload = asyncio.create_task(_pipe(reader, up_writer, None))
+        x.cut = await _pipe(_FirstLine(up_reader, x), writer, budget)  # type: ignore[arg-type]
+        if x.cut:
+            self.cuts += 1
+        upload.cancel()
+        for w in (writer, up_writer):
+            w.close()
 
-        await super()._handle(_FirstBytes(reader, seen), writer)  # type: ignore[arg-type]
+
+class _FirstLine:
+    """The server's side of a connection, noting its first line in the Exchange."""
+
+    def __init__(self, reader: asyncio.StreamReader, x: Exchange) -> None:
+        self._reader, self._x = reader, x
+
+    async def read(self, n: int = -1) -> bytes:
+        data = await self._reader.read(n)
+        if not self._x.response and data:
+            self._x.response = data.split(b"\r\n", 1)[0].decode("latin-1")
+        return data
 
 
 @pytest.fixture

@@ -356,7 +356,11 @@ export class LastEventStream {
 
   async *_run() {
     const stop = this._stop.signal;
-    let failures = 0; // consecutive connections that brought no event
+    // consecutive connections that brought no event: `failures` got no answer (network
+    // error before the headers, 429/5xx), `answered` got a 200 and broke before an event
+    // (a browser may drop what arrived just before a reset: the server is there)
+    let failures = 0;
+    let answered = 0;
     let lastError = null;
     try {
       for (;;) {
@@ -367,6 +371,7 @@ export class LastEventStream {
         this._connection = connection;
         let events = 0;
         let waitS = null;
+        let ok = false;
         try {
           let response;
           try {
@@ -387,6 +392,7 @@ export class LastEventStream {
             waitS = err.retryAfterS;
             throw new Broken(err);
           }
+          ok = true;
           this._setState("streaming");
           const queue = [];
           let ended = false;
@@ -402,7 +408,7 @@ export class LastEventStream {
               while (queue.length) {
                 const ev = queue.shift();
                 events++;
-                failures = 0;
+                failures = answered = 0;
                 this.lastEventId = ev.id; // a whole event: a resume starts after it
                 if (ev.data === DONE) {
                   ended = true;
@@ -445,20 +451,23 @@ export class LastEventStream {
           if (!(err instanceof Broken)) throw err;
           const dropped = connection.signal.reason instanceof DroppedConnection;
           lastError = dropped ? connection.signal.reason : err.cause;
-          if (events === 0) failures++;
-          if (failures > this._client.maxRetries) {
-            throw new LastEventError(`gave up after ${failures} connections without progress: ${describe(lastError)}`, {
+          if (events === 0 && ok) answered++;
+          else if (events === 0) failures++;
+          const max = this._client.maxRetries;
+          if (failures > max || failures + answered > 4 * max) {
+            const n = failures + answered;
+            throw new LastEventError(`gave up after ${n} connections without progress: ${describe(lastError)}`, {
               code: "reconnect_failed",
               requestId: this.requestId,
               cause: lastError,
             });
           }
-          const delayMs = this._delay(failures, waitS, lastError);
+          const delayMs = this._delay(failures, answered, waitS, lastError);
           this._setState("reconnecting");
           this.reconnects++;
           this._opts.onReconnect?.({
             attempt: this.reconnects,
-            failures,
+            failures: failures + answered,
             delayMs,
             requestId: this.requestId,
             lastEventId: this.lastEventId,
@@ -478,11 +487,11 @@ export class LastEventStream {
     }
   }
 
-  /** The wait before a reconnection: the server's `retry:` doubled per connection that
-   * brought nothing (capped), with jitter (50-100 %); a `Retry-After` wins. A connection
-   * dropped on purpose (drop()) reconnects at once. */
-  _delay(failures, retryAfterS, error) {
-    if (error instanceof DroppedConnection && failures <= 1) return 0;
+  /** The wait before a reconnection: the server's `retry:`, doubled for each connection in
+   * a row that got no answer (capped), with jitter (50-100 %); a `Retry-After` wins. A
+   * connection dropped on purpose (drop()) reconnects at once. */
+  _delay(failures, answered, retryAfterS, error) {
+    if (error instanceof DroppedConnection && failures + answered <= 1) return 0;
     if (retryAfterS !== null && retryAfterS !== undefined) return retryAfterS * 1000;
     const base = Math.min(this._client.maxRetryDelayMs, this._retryMs * 2 ** Math.max(0, failures - 1));
     return Math.round(base * (0.5 + Math.random() / 2));
@@ -533,8 +542,8 @@ function describe(err) {
  * - `fetch`: a fetch whose response bodies stream (default: globalThis.fetch; on React
  *   Native pass `fetch` from "expo/fetch").
  * - `retryMs` (1000, until the server's `retry:` says), `maxRetryDelayMs` (30000),
- *   `maxRetries` (8 consecutive connections that bring no event, then LastEventError
- *   "reconnect_failed").
+ *   `maxRetries` (8): after that many connections in a row that got no answer (or four
+ *   times as many that got a 200 but no event), LastEventError "reconnect_failed".
  */
 export class LastEvent {
   constructor({ baseUrl = "", apiKey = null, fetch: fetchImpl = null, retryMs = 1000, maxRetries = 8, maxRetryDelayMs = 30000 } = {}) {
@@ -581,14 +590,30 @@ export class LastEvent {
     return this.baseUrl + path;
   }
 
+  /** One JSON call; both (status, cancel) are idempotent, so a broken connection or a
+   * 429/5xx is tried again (backoff with jitter, `Retry-After` honoured). */
   async _json(method, path, { streamToken, requestId }) {
     const headers = { Accept: "application/json" };
     let query = "";
     if (this.apiKey) headers.Authorization = `Bearer ${this.apiKey}`;
     else if (streamToken) query = `?token=${encodeURIComponent(streamToken)}`;
-    const response = await this._fetch(this._url(path + query), { method, headers });
-    if (!response.ok) throw await errorFrom(response, requestId);
-    return response.json();
+    for (let attempt = 0; ; attempt++) {
+      let waitS = null;
+      let error;
+      try {
+        const response = await this._fetch(this._url(path + query), { method, headers });
+        if (response.ok) return await response.json();
+        error = await errorFrom(response, requestId);
+        if (!RETRYABLE_STATUS.has(response.status)) throw error;
+        waitS = error.retryAfterS;
+      } catch (err) {
+        if (err instanceof LastEventError && !RETRYABLE_STATUS.has(err.status)) throw err;
+        error = err;
+      }
+      if (attempt >= this.maxRetries) throw error;
+      const base = Math.min(this.maxRetryDelayMs, this.retryMs * 2 ** attempt);
+      await sleep(waitS !== null ? waitS * 1000 : Math.round(base * (0.5 + Math.random() / 2)));
+    }
   }
 }
 
