@@ -31,6 +31,7 @@ function loggingFetch(url, init = {}) {
     (r) => {
       entry.status = r.status;
       entry.requestId = r.headers.get("x-request-id");
+      entry.replayed = r.headers.get("idempotent-replayed");
       return r;
     },
     (e) => {
