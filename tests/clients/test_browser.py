@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
+import httpx
 import pytest
 
+from service.api.routes.playground import STATIC
 from tests.clients.conftest import (
     HERE,
     QUESTION,
@@ -170,3 +172,16 @@ def test_event_source_survives_cuts_inside_the_response_headers(
         follow_with_event_source(node, clients_stack, api_key, proxy, other_page)
     finally:
         proxy.close()
+
+
+def test_static_files_are_the_repository_files(clients_stack: ClientStack) -> None:
+    """/static/lastevent.js is the canonical file, byte for byte; nothing else leaks out."""
+    with httpx.Client(base_url=clients_stack.url, timeout=30) as c:
+        js = c.get("/static/lastevent.js")
+        assert js.status_code == 200 and js.headers["content-type"].startswith("text/javascript")
+        assert js.content == (STATIC / "lastevent.js").read_bytes()
+        page = c.get("/playground")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert b'from "/static/lastevent.js"' in page.content
+        for path in ("/static/nope.js", "/static/..%2Froutes%2Fplayground.py", "/static/%2e%2e"):
+            assert c.get(path).status_code == 404, path

@@ -4,13 +4,14 @@ does the streaming and prints what it saw; these tests judge it."""
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.clients.conftest import QUESTION, ClientStack, RecordingProxy, api_target
+from tests.clients.conftest import HERE, QUESTION, ClientStack, RecordingProxy, api_target
 from tests.clients.proxy import CuttingProxy
 from tests.e2e.conftest import Stack, make_stack
 
@@ -33,10 +34,6 @@ def run_client(
 
 def test_parser_follows_the_sse_spec(node: Any) -> None:
     """The client's own SSE parser (node --test): fields, line ends, cut events."""
-    import subprocess
-
-    from tests.clients.conftest import HERE
-
     proc = subprocess.run(
         ["node", "--test", str(HERE / "js" / "sse_parser.test.mjs")],
         capture_output=True,
