@@ -152,13 +152,6 @@ def test_event_source_on_another_origin_stops_at_the_end(
         proxy.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Chromium takes an HTTP/1.1 response whose header block was cut short as whole: "
-    "cut before Access-Control-Allow-Origin (the CORS headers come last), it is a CORS "
-    "failure, and EventSource then fails the connection for good (CLOSED mid-answer) "
-    "instead of reconnecting. Passes once the CORS headers and Content-Type come first.",
-)
 def test_event_source_survives_cuts_inside_the_response_headers(
     node: Any, clients_stack: ClientStack, api_key: str, other_page: str
 ) -> None:
