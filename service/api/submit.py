@@ -18,6 +18,7 @@ from service.store.keys import principal as who
 from service.store.presence import Lease
 from service.store.queue import Job, encode_job
 from service.stream.events import Created, Kind
+from service.stream.ids import Cursor, InvalidEventId
 from service.stream.params import SamplingParams
 
 MAX_STOP_STRINGS = 4
@@ -49,6 +50,25 @@ def no_such_request(request_id: str) -> NotFound:
     string that is not a request id at all: nothing tells them apart."""
     shown = request_id[:_SHOWN_ID_CHARS] + ("..." if len(request_id) > _SHOWN_ID_CHARS else "")
     return NotFound(f"no request '{shown}'", param="request_id", code="not_found")
+
+
+def parse_cursor(raw: str | None, param: str) -> Cursor | None:
+    """A ``Last-Event-ID`` (or ``?after=``) as a cursor; empty: none; malformed: a 400."""
+    if raw is None or raw == "":
+        return None
+    try:
+        return Cursor.parse(raw)
+    except InvalidEventId as exc:
+        raise InvalidRequest(str(exc), param=param, code="invalid_event_id") from None
+
+
+def foreign_cursor(cursor: Cursor, rid: str, param: str) -> InvalidRequest:
+    """The 400 for a cursor that is not an event of this request."""
+    return InvalidRequest(
+        f"event id '{cursor}' is not an event of request '{rid}'",
+        param=param,
+        code="invalid_event_id",
+    )
 
 
 def checked_request_id(request_id: str) -> str:

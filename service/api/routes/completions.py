@@ -27,8 +27,10 @@ from service.api.schemas import (
 from service.api.submit import (
     Submission,
     check_model,
+    foreign_cursor,
     new_request_id,
     no_such_request,
+    parse_cursor,
     submission,
     submit,
 )
@@ -37,7 +39,6 @@ from service.store.keys import principal as who
 from service.store.presence import Lease
 from service.stream import sse
 from service.stream.events import Created, Kind
-from service.stream.ids import Cursor, InvalidEventId
 from service.stream.lifecycle import State
 from service.stream.render import error_object
 
@@ -150,22 +151,11 @@ async def _again(
         raise no_such_request(rid)
     headers = {**_headers(signer, principal, rid), REPLAYED_HEADER: "true"}
     if body.stream:
-        raw = request.headers.get("last-event-id")
-        cursor = None
-        if raw:
-            try:
-                cursor = Cursor.parse(raw)
-            except InvalidEventId as exc:
-                raise InvalidRequest(
-                    str(exc), param="Last-Event-ID", code="invalid_event_id"
-                ) from None
+        cursor = parse_cursor(request.headers.get("last-event-id"), "Last-Event-ID")
+        if cursor is not None:
             _, known, last = await ctx.log.look(rid, cursor.event)
             if not known:
-                raise InvalidRequest(
-                    f"event id '{cursor}' is not an event of request '{rid}'",
-                    param="Last-Event-ID",
-                    code="invalid_event_id",
-                )
+                raise foreign_cursor(cursor, rid, "Last-Event-ID")
             if nothing_after(rid, created, last, cursor):  # it has it all: stop
                 return Response(b"", status_code=204, headers=headers)
         return Stream(

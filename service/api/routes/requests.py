@@ -16,21 +16,16 @@ from service.api.readers import cold_frames, nothing_after, sse_frames
 from service.api.routes.completions import REQUEST_ID_HEADER
 from service.api.schemas import error_responses
 from service.api.status import request_status
-from service.api.submit import checked_request_id, no_such_request
-from service.errors import InvalidRequest
+from service.api.submit import (
+    checked_request_id,
+    foreign_cursor,
+    no_such_request,
+    parse_cursor,
+)
 from service.stream import sse
 from service.stream.events import Created, End, Event, summarize
-from service.stream.ids import Cursor, EventId, InvalidEventId
+from service.stream.ids import EventId
 from service.stream.lifecycle import FinishReason, State
-
-
-def _cursor(raw: str | None, param: str) -> Cursor | None:
-    if raw is None or raw == "":
-        return None
-    try:
-        return Cursor.parse(raw)
-    except InvalidEventId as exc:
-        raise InvalidRequest(str(exc), param=param, code="invalid_event_id") from None
 
 
 def _owned(
@@ -43,14 +38,6 @@ def _owned(
     if not isinstance(created, Created) or created.tenant != principal.tenant:
         raise no_such_request(rid)
     return created
-
-
-def _foreign(cursor: Cursor, rid: str, param: str) -> InvalidRequest:
-    return InvalidRequest(
-        f"event id '{cursor}' is not an event of request '{rid}'",
-        param=param,
-        code="invalid_event_id",
-    )
 
 
 async def _archived(ctx: Context, rid: str) -> list[tuple[EventId, Event]]:
@@ -81,7 +68,7 @@ class RequestsController(Controller):
         """SSE from the start, or after ``Last-Event-ID`` (header) / ``?after=``; 204 when
         the cursor is the terminal event (nothing more will come)."""
         header = request.headers.get("last-event-id")
-        cursor = _cursor(header, "Last-Event-ID") if header else _cursor(after, "after")
+        cursor = parse_cursor(header, "Last-Event-ID") if header else parse_cursor(after, "after")
         param = "Last-Event-ID" if header else "after"
         # after the cursor's check, as for an id that never existed (same answers)
         checked_request_id(request_id)
@@ -96,7 +83,7 @@ class RequestsController(Controller):
             cold = _owned(entries[0][1], principal, request_id, required=True)
             assert cold is not None
             if cursor is not None and cursor.event not in {eid for eid, _ in entries}:
-                raise _foreign(cursor, request_id, param)
+                raise foreign_cursor(cursor, request_id, param)
             if nothing_after(request_id, cold, entries[-1], cursor):
                 return Response(b"", status_code=204, headers={REQUEST_ID_HEADER: request_id})
             hint = ctx.settings.reconnect_hint_ms
@@ -105,7 +92,7 @@ class RequestsController(Controller):
         if cursor is not None:
             RESUMES.inc()
             if not known:
-                raise _foreign(cursor, request_id, param)
+                raise foreign_cursor(cursor, request_id, param)
             if nothing_after(request_id, created, last, cursor):
                 # the client has it all: 204 is how the SSE standard tells it to stop (an
                 # empty 200 makes EventSource reconnect every few seconds, for ever)
