@@ -45,11 +45,13 @@ class _Sampling(RequestSampling, kw_only=True):
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: list[ChatMessage]
+    logprobs: bool | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[str | int]
+    logprobs: int | None = None
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -15,6 +15,15 @@ EOS ids, which it is given when it is built.
 worker made them and is gone). The engine prefills the prompt followed by them and
 continues as if it had made them itself: ``params.max_tokens`` counts them, and with
 ``temperature=0`` the steps are the rest of an uninterrupted run's.
+``params`` beyond temperature/top_p/seed (penalties, top_k, min_p, min_tokens,
+ignore_eos, logit_bias, stop_token_ids, logprobs, structured) are honoured by the
+engine or listed in ``service.stream.params.UNSUPPORTED`` for it: the API refuses a
+request that sets one an engine cannot honour, so an engine never ignores one.
+``params.stop_token_ids`` end the request like EOS (``finish_reason`` ``stop``, the
+id is the last one yielded); ``ignore_eos`` means EOS ids do not end it (but
+``stop_token_ids`` still do); ``min_tokens``: neither may be sampled before that many.
+Logprobs are the model's raw log-softmax (before temperature, penalties and biases,
+as vLLM's default ``raw_logprobs``).
 ``tests/engine_contract.py`` is the behaviour every engine must show.
 """
 
@@ -24,6 +33,7 @@ import dataclasses
 from collections.abc import AsyncGenerator, Sequence
 from typing import Protocol
 
+from service.stream.logprobs import Sampled
 from service.stream.params import SamplingParams
 
 
@@ -40,6 +50,8 @@ class StepOutput:
     token_ids: list[int]  # new ids of this step (may be empty on the last step)
     finished: bool = False
     finish_reason: str | None = None  # "stop" (stop token) | "length" | "abort"
+    # one per id of ``token_ids`` when ``params.logprobs`` is not None, else None
+    logprobs: list[Sampled] | None = None
 
 
 class Engine(Protocol):
