@@ -30,6 +30,7 @@ from service.api.routes.completions import CompletionsController
 from service.api.routes.playground import PlaygroundController
 from service.api.routes.requests import RequestsController
 from service.api.routes.system import SystemController
+from service.api.routes.vllm_compat import VllmCompatController
 from service.api.sweeper import Sweeper
 from service.errors import ApiError, ServiceUnavailable, Unauthorized
 from service.ledger.api_keys import ApiKeys
@@ -257,6 +258,7 @@ def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
             CompletionsController,
             RequestsController,
             SystemController,
+            VllmCompatController,
             AdminController,
             PlaygroundController,
         ],

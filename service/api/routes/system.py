@@ -1,37 +1,72 @@
-"""Models, health, readiness, metrics."""
+"""Models, health, readiness, metrics; and the probes vLLM's server answers (``/health``,
+``/version``), so that tools written against vLLM find this server serving."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
 from typing import Any
 
 import prometheus_client
-from litestar import Controller, Response, get
+from litestar import Controller, MediaType, Response, get
+from litestar.openapi.datastructures import ResponseSpec
 
 from service.api.auth import Principal
 from service.api.context import Context
+from service.api.schemas import ErrorResponse, error_responses
+from service.errors import NotFound
 from service.store import pool
 
 _STARTED = int(time.time())
+VERSION = importlib.metadata.version("lastevent")
+
+
+def context_length(ctx: Context) -> int:
+    """The longest prompt + answer a request may ask for (what submit checks against)."""
+    return min(ctx.model.max_model_len, ctx.settings.max_model_len)
+
+
+def model_object(ctx: Context) -> dict[str, Any]:
+    return {
+        "id": ctx.model.name,
+        "object": "model",
+        "created": _STARTED,
+        "owned_by": "lastevent",
+        "max_model_len": context_length(ctx),
+    }
 
 
 class SystemController(Controller):
     tags = ("system",)
 
-    @get("/v1/models", summary="The served model")
+    @get("/v1/models", summary="The served model", responses=error_responses(401))
     async def models(self, ctx: Context, principal: Principal) -> dict[str, Any]:
         """Behind an API key like every /v1 route (a key limited to other models sees
         none)."""
-        served = [
-            {
-                "id": ctx.model.name,
-                "object": "model",
-                "created": _STARTED,
-                "owned_by": "lastevent",
-                "max_model_len": ctx.model.max_model_len,
-            }
-        ]
-        return {"object": "list", "data": served if principal.may_use(ctx.model.name) else []}
+        served = [model_object(ctx)] if principal.may_use(ctx.model.name) else []
+        return {"object": "list", "data": served}
+
+    @get(
+        "/v1/models/{model_id:path}",
+        summary="One model (OpenAI's retrieve)",
+        responses={
+            **error_responses(401),
+            404: ResponseSpec(
+                data_container=ErrorResponse,
+                description="No such model, or the key may not use it (code model_not_found)",
+            ),
+        },
+    )
+    async def model(self, ctx: Context, principal: Principal, model_id: str) -> dict[str, Any]:
+        """A model the key may not use answers as one that does not exist. The id may hold
+        slashes (vLLM serves ``org/name`` ids)."""
+        model_id = model_id.removeprefix("/")  # a path parameter starts with its slash
+        if model_id != ctx.model.name or not principal.may_use(model_id):
+            shown = model_id[:64] + ("..." if len(model_id) > 64 else "")
+            raise NotFound(
+                f"the model '{shown}' does not exist", param="model", code="model_not_found"
+            )
+        return model_object(ctx)
 
     @get("/healthz", summary="The process is up")
     async def healthz(self) -> dict[str, str]:
@@ -48,6 +83,22 @@ class SystemController(Controller):
             {"status": "ready" if ready else "unavailable", "checks": checks},
             status_code=200 if ready else 503,
         )
+
+    @get(
+        "/health",
+        summary="Serving: Redis answers (vLLM's probe: an empty body)",
+        media_type=MediaType.TEXT,
+        responses={503: ResponseSpec(data_container=None, description="Redis does not answer")},
+    )
+    async def health(self, ctx: Context) -> Response[bytes]:
+        """vLLM's ``/health``: 200 with an empty body while requests can be accepted, i.e.
+        while Redis answers (the ledger is not needed to serve; ``/readyz`` says more)."""
+        ok = await pool.check(ctx.redis) == "ok"
+        return Response(b"", status_code=200 if ok else 503, media_type=MediaType.TEXT)
+
+    @get("/version", summary="lastevent's version (vLLM's probe)")
+    async def version(self) -> dict[str, str]:
+        return {"version": VERSION}
 
     @get("/metrics", summary="Prometheus metrics", media_type="text/plain; version=0.0.4")
     async def metrics(self) -> bytes:
