@@ -1,13 +1,32 @@
 """Tool calls in model output: one incremental parser per model family's format.
 
-INTERFACE (the parsers are being written; the types and signatures here are fixed):
-
 The worker feeds a parser the text the stop-string holdback releases, step by step,
 and logs what it returns: content text, or ``ToolFragment``s -- the pieces of OpenAI's
-``tool_calls`` deltas. A parser holds back text that may still become a call's start
-marker, so a marker never leaks into content, and is monotone: for any split of the
-same output into ``feed`` calls, the joined content and each call's joined
-(id, name, arguments) are the same.
+``tool_calls`` deltas. Every parser is monotone: for any split of the same output into
+``feed`` calls, the joined content and each call's joined (id, name, arguments) are the
+same; a split only changes how the pieces are cut.
+
+A call's arguments are the model's own JSON text, streamed as it comes (never decoded
+and encoded again, so nothing is reordered or reformatted); only the whitespace before
+the value is dropped. One small scanner (``_Value``: strings, escapes, nesting) finds
+where a value ends; nothing else of the JSON is checked, constrained decoding or the
+client does that. Arguments written before ``"name"`` wait until the name is known.
+
+Choices where the formats leave room:
+
+- hermes: a proper prefix of ``<tool_call>`` at the end of the text (``"<tool"``) is
+  held until the next text decides; a lookalike (``<tool_calls>``, ``<tool box``) is
+  content. Whitespace just before ``<tool_call>`` and just after ``</tool_call>`` is not
+  content. A block that is not a call (not a JSON object with a string ``"name"``) is
+  content, raw and markers included, once ``</tool_call>`` (or the end) shows it;
+  a block that broke after its call started ends that call, the rest of the block is
+  dropped. A closed call object without arguments gets ``"{}"``.
+- llama3_json: calls only if the output starts (after whitespace) with ``{`` or
+  ``<|python_tag|>``; when its first object proves no call, the whole output is content;
+  text after the calls (other than ``;`` and the next object) is dropped.
+- ``parallel`` False: the parser is ``done`` once the first call's object closes;
+  what follows is dropped, not shown. A call cut by the end of the output (max_tokens)
+  ends with the arguments text that came.
 """
 
 from __future__ import annotations
@@ -70,24 +89,550 @@ class ToolParser:
         raise NotImplementedError
 
 
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+ARGUMENT_KEYS = ("arguments", "parameters")
+_WS = " \t\n\r"  # JSON's whitespace
+_FIRST = frozenset('{["-0123456789tfn')  # how a JSON value can begin
+_ATOM = frozenset("0123456789+-.eEtruefalsn")  # what numbers, true, false, null are made of
+_BARE = _ATOM | frozenset(_WS + ",:")  # what may stand outside strings inside a container
+
+# what one character does to a value: belongs to it, ends it, follows it, cannot be JSON
+_MORE, _LAST, _OUT, _BAD = range(4)
+
+
+def _push(out: list[Piece], piece: Piece) -> None:
+    """Append, merged with the previous piece where both are content or the same call."""
+    last = out[-1] if out else None
+    if isinstance(piece, str):
+        if not piece:
+            return
+        if isinstance(last, str):
+            out[-1] = last + piece
+            return
+    elif piece.id is None:
+        if not piece.arguments:
+            return
+        if isinstance(last, ToolFragment) and last.call == piece.call:
+            out[-1] = ToolFragment(last.call, last.id, last.name, last.arguments + piece.arguments)
+            return
+    out.append(piece)
+
+
+def _partial(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that is a proper prefix of ``marker``."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+class _Value:
+    """Where one JSON value ends, from its first character on: strings, escapes and
+    nesting are tracked; outside strings, a character JSON never has there is ``_BAD``
+    (so a ``</tool_call>`` that follows an unclosed object is not taken into it)."""
+
+    __slots__ = ("_atom", "_depth", "_escape", "_string")
+
+    def __init__(self, first: str) -> None:
+        self._atom = first not in '{["'
+        self._depth = 1 if first in "{[" else 0
+        self._string = first == '"'
+        self._escape = False
+
+    def step(self, ch: str) -> int:
+        if self._string:
+            if self._escape:
+                self._escape = False
+            elif ch == "\\":
+                self._escape = True
+            elif ch == '"':
+                self._string = False
+                if self._depth == 0:
+                    return _LAST
+            return _MORE
+        if self._atom:
+            return _MORE if ch in _ATOM else _OUT
+        if ch == '"':
+            self._string = True
+        elif ch in "{[":
+            self._depth += 1
+        elif ch in "}]":
+            self._depth -= 1
+            if self._depth == 0:
+                return _LAST
+        elif ch not in _BARE:
+            return _BAD
+        return _MORE
+
+
+# the states of a call object: before "{", a key or "}", ":", a value's start, inside a
+# key or value, "," or "}", and the two ends
+_OPEN, _MEMBER, _COLON, _VALUE_START, _VALUE, _NEXT, _CLOSED, _BROKEN = range(8)
+
+
+class _Call:
+    """One call object, ``{"name": ..., "arguments": ...}`` with its keys in any order,
+    read a character at a time. Its first fragment goes out once the name's string
+    closes (carrying the arguments that came before it); later ones as they come."""
+
+    def __init__(self, index: int, call_id: Callable[[int], str]) -> None:
+        self.index = index
+        self.state = _OPEN
+        self.name: str | None = None
+        self.started = False  # its first fragment went out
+        self._call_id = call_id
+        self._value: _Value | None = None
+        self._role = ""  # what is being read: "key", "name", "args", or "" (skipped)
+        self._next_role = ""  # the role of the value after the key just read
+        self._text: list[str] = []  # the key or name being read
+        self._args: list[str] = []  # arguments text not yet emitted
+        self._has_args = False
+
+    @property
+    def ended(self) -> bool:
+        return self.state >= _CLOSED
+
+    @property
+    def broken(self) -> bool:
+        return self.state == _BROKEN
+
+    def feed(self, text: str, out: list[Piece]) -> int:
+        """Read ``text`` until the object ends; how much of it the object took."""
+        i, n = 0, len(text)
+        while i < n and self.state < _CLOSED:
+            if self._char(text[i]):
+                i += 1
+        self._flush(out)
+        return i
+
+    def _char(self, ch: str) -> bool:
+        """One character; False: not taken (it is read again in the new state)."""
+        state = self.state
+        if state == _VALUE:
+            return self._in_value(ch)
+        if ch in _WS:
+            return True
+        if state == _OPEN and ch == "{":
+            self.state = _MEMBER
+        elif state == _MEMBER and ch == '"':
+            self._begin("key", ch)
+        elif state in (_MEMBER, _NEXT) and ch == "}":
+            self.state = _CLOSED
+            if self.name is not None and not self._has_args:
+                self._args.append("{}")
+        elif state == _COLON and ch == ":":
+            self.state = _VALUE_START
+        elif state == _NEXT and ch == ",":
+            self.state = _MEMBER
+        elif state == _VALUE_START and ch in _FIRST and (ch == '"' or self._next_role != "name"):
+            self._has_args |= self._next_role == "args"
+            self._begin(self._next_role, ch)
+        else:
+            self.state = _BROKEN
+            return False
+        return True
+
+    def _begin(self, role: str, ch: str) -> None:
+        self._role, self._value, self.state = role, _Value(ch), _VALUE
+        self._take(ch)
+
+    def _take(self, ch: str) -> None:
+        if self._role == "args":
+            self._args.append(ch)
+        elif self._role:
+            self._text.append(ch)
+
+    def _in_value(self, ch: str) -> bool:
+        assert self._value is not None
+        step = self._value.step(ch)
+        if step == _BAD:
+            self.state = _BROKEN
+            return False
+        if step == _OUT:
+            self._end_value()
+            return False
+        self._take(ch)
+        if step == _LAST:
+            self._end_value()
+        return True
+
+    def _end_value(self) -> None:
+        role, raw = self._role, "".join(self._text)
+        self._text, self._value, self.state = [], None, _NEXT
+        if role not in ("key", "name"):
+            return
+        try:
+            decoded = msgspec.json.decode(raw, type=str)
+        except msgspec.DecodeError:  # a bad escape, a raw control character
+            self.state = _BROKEN
+            return
+        if role == "name":
+            self.name = decoded
+            return
+        self.state = _COLON
+        if decoded == "name" and self.name is None:
+            self._next_role = "name"
+        elif decoded in ARGUMENT_KEYS and not self._has_args:
+            self._next_role = "args"
+        else:
+            self._next_role = ""
+
+    def _flush(self, out: list[Piece]) -> None:
+        if self.name is None:
+            return  # the arguments wait for the name
+        args, self._args = "".join(self._args), []
+        if not self.started:
+            self.started = True
+            out.append(ToolFragment(self.index, self._call_id(self.index), self.name, args))
+        else:
+            _push(out, ToolFragment(self.index, arguments=args))
+
+
+Handler = Callable[[str, list[Piece]], str]  # takes text, returns what it left for the next state
+
+
+class _Machine(ToolParser):
+    """What the parsers share: a handler per state, the call being read, the count."""
+
+    def __init__(self, fmt: ToolFormat, call_id: Callable[[int], str], state: str) -> None:
+        self._parallel = fmt.parallel
+        self._call_id = call_id
+        self._calls = 0
+        self._call = _Call(0, call_id)
+        self._state = state
+        self._handlers: dict[str, Handler] = {}
+
+    def feed(self, text: str) -> list[Piece]:
+        out: list[Piece] = []
+        while text and self._state != "done":
+            text = self._handlers[self._state](text, out)
+        return out
+
+    @property
+    def calls(self) -> int:
+        return self._calls
+
+    @property
+    def done(self) -> bool:
+        return self._state == "done"
+
+    def _new_call(self, state: str) -> None:
+        self._call, self._state = _Call(self._calls, self._call_id), state
+
+    def _scan(self, text: str, out: list[Piece]) -> int:
+        started = self._call.started
+        taken = self._call.feed(text, out)
+        if self._call.started and not started:
+            self._calls += 1
+        return taken
+
+    def _after_call(self, rest: str) -> str:
+        """The state after a started call ended: done when only one call counts."""
+        if not self._parallel:
+            self._state = "done"
+            return ""
+        return rest
+
+
+class _Hermes(_Machine):
+    """``<tool_call>`` blocks among content."""
+
+    def __init__(self, fmt: ToolFormat, call_id: Callable[[int], str]) -> None:
+        super().__init__(fmt, call_id, "content")
+        self._handlers = {
+            "content": self._content,
+            "block": self._block,
+            "skip": self._until_end,  # the rest of a call's block
+            "bad": self._until_end,  # a block that is not a call
+        }
+        self._held = ""  # content that may still be a marker's start; a marker's start
+        self._raw = ""  # the block while it may prove to be content
+        self._strip = False  # just after a call: whitespace is not content
+
+    def _content(self, text: str, out: list[Piece]) -> str:
+        buf, self._held = self._held + text, ""
+        if self._strip:
+            buf = buf.lstrip()
+            if not buf:
+                return ""
+            self._strip = False
+        at = buf.find(CALL_START)
+        if at >= 0:
+            before = buf[:at]
+            content = before.rstrip()
+            _push(out, content)
+            self._raw = before[len(content) :] + CALL_START
+            self._new_call("block")
+            return buf[at + len(CALL_START) :]
+        cut = len(buf[: len(buf) - _partial(buf, CALL_START)].rstrip())
+        _push(out, buf[:cut])
+        self._held = buf[cut:]
+        return ""
+
+    def _block(self, text: str, out: list[Piece]) -> str:
+        taken = self._scan(text, out)
+        call = self._call
+        self._raw = "" if call.started else self._raw + text[:taken]
+        if not call.ended:
+            return ""
+        self._state = "skip" if call.started else "bad"
+        return self._after_call(text[taken:]) if call.started else text[taken:]
+
+    def _until_end(self, text: str, out: list[Piece]) -> str:
+        buf, self._held = self._held + text, ""
+        at = buf.find(CALL_END)
+        bad = self._state == "bad"
+        if at < 0:
+            cut = len(buf) - _partial(buf, CALL_END)
+            if bad:
+                self._raw += buf[:cut]
+            self._held = buf[cut:]
+            return ""
+        end = at + len(CALL_END)
+        if bad:
+            _push(out, self._raw + buf[:end])
+        self._raw, self._strip, self._state = "", not bad, "content"
+        return buf[end:]
+
+    def finish(self) -> list[Piece]:
+        out: list[Piece] = []
+        if self._state == "content":
+            _push(out, self._held)
+        elif self._state == "bad" or (self._state == "block" and not self._call.started):
+            _push(out, self._raw + self._held)
+        self._held = self._raw = ""
+        self._state = "done"
+        return out
+
+
+class _Llama(_Machine):
+    """Llama 3.x JSON calls: the whole output, or content if it does not start as one."""
+
+    def __init__(self, fmt: ToolFormat, call_id: Callable[[int], str]) -> None:
+        super().__init__(fmt, call_id, "start")
+        self._handlers = {
+            "start": self._start,
+            "content": self._content,
+            "call": self._object,
+            "between": self._between,
+        }
+        self._raw = ""  # the output while its first object may prove to be content
+
+    def _start(self, text: str, out: list[Piece]) -> str:
+        self._raw += text
+        body = self._raw.lstrip()
+        if not body or (PYTHON_TAG.startswith(body) and body != PYTHON_TAG):
+            return ""
+        lead = len(self._raw) - len(body)
+        if body.startswith(PYTHON_TAG):
+            lead += len(PYTHON_TAG)
+        elif body[0] != "{":
+            self._state = "content"
+            return self._take_raw()
+        rest, self._raw = self._raw[lead:], self._raw[:lead]
+        self._new_call("call")
+        return rest
+
+    def _take_raw(self) -> str:
+        raw, self._raw = self._raw, ""
+        return raw
+
+    def _content(self, text: str, out: list[Piece]) -> str:
+        _push(out, text)
+        return ""
+
+    def _object(self, text: str, out: list[Piece]) -> str:
+        taken = self._scan(text, out)
+        call = self._call
+        if self._calls == 0:
+            self._raw += text[:taken]
+        if not call.ended:
+            return ""
+        rest = text[taken:]
+        if call.started:
+            self._raw = ""
+            self._state = "done" if call.broken else "between"
+            return self._after_call(rest)
+        if self._calls == 0:  # the first object is no call: the output is content
+            self._state = "content"
+            return self._take_raw() + rest
+        self._state = "done"
+        return ""
+
+    def _between(self, text: str, out: list[Piece]) -> str:
+        body = text.lstrip(_WS)
+        if not body:
+            return ""
+        if body[0] not in ";{":
+            self._state = "done"
+            return ""
+        self._new_call("call")
+        return body[1:] if body[0] == ";" else body
+
+    def finish(self) -> list[Piece]:
+        out: list[Piece] = []
+        if self._state == "start" or (self._state == "call" and self._calls == 0):
+            _push(out, self._raw)
+        self._raw, self._state = "", "done"
+        return out
+
+
+class _Named(_Machine):
+    """The output is the arguments of the one function that ``tool_choice`` names."""
+
+    def __init__(self, fmt: ToolFormat, call_id: Callable[[int], str]) -> None:
+        super().__init__(fmt, call_id, "start")
+        self._name = fmt.name or ""
+        self._handlers = {"start": self._start, "value": self._value_text}
+        self._value: _Value | None = None
+
+    def _start(self, text: str, out: list[Piece]) -> str:
+        body = text.lstrip(_WS)
+        if not body:
+            return ""
+        self._value = _Value(body[0])
+        self._name_it(body[0], out)
+        self._state = "value"
+        return body[1:]
+
+    def _name_it(self, arguments: str, out: list[Piece]) -> None:
+        self._calls = 1
+        out.append(ToolFragment(0, self._call_id(0), self._name, arguments))
+
+    def _value_text(self, text: str, out: list[Piece]) -> str:
+        assert self._value is not None
+        for i, ch in enumerate(text):
+            step = self._value.step(ch)
+            if step != _MORE:
+                end = i + 1 if step == _LAST else i
+                _push(out, ToolFragment(0, arguments=text[:end]))
+                self._state = "done"
+                return ""
+        _push(out, ToolFragment(0, arguments=text))
+        return ""
+
+    def finish(self) -> list[Piece]:
+        out: list[Piece] = []
+        if self._calls == 0:
+            self._name_it("", out)
+        self._state = "done"
+        return out
+
+
+class _Required(_Machine):
+    """The output is a JSON array of call objects (``tool_choice: "required"``)."""
+
+    def __init__(self, fmt: ToolFormat, call_id: Callable[[int], str]) -> None:
+        super().__init__(fmt, call_id, "open")
+        self._handlers = {
+            "open": self._punct,  # before "["
+            "element": self._punct,  # after "[" or ","
+            "call": self._element,
+            "after": self._punct,  # after an element
+        }
+
+    def _punct(self, text: str, out: list[Piece]) -> str:
+        body = text.lstrip(_WS)
+        if not body:
+            return ""
+        ch, state = body[0], self._state
+        if state == "element" and ch == "{":
+            self._new_call("call")
+            return body
+        if (state, ch) in (("open", "["), ("after", ",")):
+            self._state = "element"
+            return body[1:]
+        self._state = "done"  # "]", or what constrained decoding cannot give
+        return ""
+
+    def _element(self, text: str, out: list[Piece]) -> str:
+        taken = self._scan(text, out)
+        call = self._call
+        if not call.ended:
+            return ""
+        self._state = "done" if call.broken else "after"
+        return self._after_call(text[taken:]) if call.started else text[taken:]
+
+    def finish(self) -> list[Piece]:
+        self._state = "done"
+        return []
+
+
+_PARSERS: dict[str, Callable[[ToolFormat, Callable[[int], str]], ToolParser]] = {
+    "hermes": _Hermes,
+    "llama3_json": _Llama,
+    "named": _Named,
+    "required": _Required,
+}
+
+
 def parser_for(fmt: ToolFormat, call_id: Callable[[int], str]) -> ToolParser:
     """The parser for ``fmt``; ``call_id(call_index)`` makes each call's id."""
-    raise NotImplementedError
+    try:
+        make = _PARSERS[fmt.kind]
+    except KeyError:
+        raise ValueError(f"unknown tool format {fmt.kind!r}") from None
+    return make(fmt, call_id)
 
 
 def detect_format(chat_template: str) -> str:
     """The model family's format, from its chat template ("hermes" when unsure)."""
-    raise NotImplementedError
+    if CALL_START in chat_template:
+        return "hermes"
+    if PYTHON_TAG in chat_template:
+        return "llama3_json"
+    if "<|start_header_id|>" in chat_template and (
+        "tool" in chat_template or "parameters" in chat_template
+    ):
+        return "llama3_json"
+    return "hermes"
+
+
+def _function(tool: dict[str, Any]) -> dict[str, Any]:
+    function = tool.get("function", tool)
+    return function if isinstance(function, dict) else {}
 
 
 def tool_system_prompt(tools: Sequence[dict[str, Any]]) -> str:
     """A Hermes-style system text listing ``tools``, for a chat template that does not
     render ``tools`` itself."""
-    raise NotImplementedError
+    listed = "\n".join(msgspec.json.encode(_function(tool)).decode() for tool in tools)
+    return (
+        "You may call functions to answer the user. Each function you can call is "
+        "described by one JSON object per line between <tools> and </tools>:\n"
+        f"<tools>\n{listed}\n</tools>\n\n"
+        "To call a function, reply with this block, one block per call:\n"
+        f'{CALL_START}\n{{"name": <function-name>, "arguments": <args-json-object>}}\n'
+        f"{CALL_END}\n"
+        "Put nothing else inside a block. When no function helps, answer in plain text."
+    )
 
 
 def forced_schema(tools: Sequence[dict[str, Any]], choice: str | None) -> dict[str, Any]:
     """The JSON Schema constrained decoding uses for a forced ``tool_choice``: the
     function's parameters (``choice`` names it), or (``choice`` None: "required") an
     array of at least one ``{"name": <one of them>, "parameters": <its schema>}``."""
-    raise NotImplementedError
+    functions = [_function(tool) for tool in tools]
+
+    def params(function: dict[str, Any]) -> dict[str, Any]:
+        schema = function.get("parameters")
+        return {"type": "object"} if schema is None else dict(schema)
+
+    if choice is not None:
+        for function in functions:
+            if function.get("name") == choice:
+                return params(function)
+        raise ValueError(f"tool_choice names the function {choice!r}, which is not in tools")
+    if not functions:
+        raise ValueError('tool_choice "required" needs at least one tool')
+    # "name" first: decoding writes it first, so the call's name streams before its arguments
+    each = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": function.get("name")}, "parameters": params(function)},
+            "required": ["name", "parameters"],
+        }
+        for function in functions
+    ]
+    return {"type": "array", "minItems": 1, "items": {"anyOf": each}}
