@@ -72,6 +72,8 @@ class Settings:
 
     # presence, abandonment, cancel
     resume_grace_s: float = 30.0  # abort a request whose last reader left this long ago
+    # how the model writes tool calls: auto (from its chat template) | hermes | llama3_json
+    tool_parser: str = "auto"
     max_resume_grace_s: float = 3600.0  # the largest per-request grace a client may ask for
     lease_ttl_s: float = 10.0  # a reader's lease lapses this long after its last refresh
     lease_refresh_s: float = 3.0  # how often an API process refreshes its readers' leases

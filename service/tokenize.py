@@ -68,8 +68,13 @@ class ModelInfo:
             chat_template=meta["chat_template"],
         )
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        return _compiled(self.chat_template).render(messages=messages, add_generation_prompt=True)
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """``tools``: OpenAI tool objects, as Hugging Face templates take them."""
+        extra = {} if tools is None else {"tools": tools}
+        template = _compiled(self.chat_template)
+        return template.render(messages=messages, add_generation_prompt=True, **extra)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)

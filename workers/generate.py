@@ -16,14 +16,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import time
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
+
+import msgspec
 
 from service.store.log import AppendBatcher, Owner
 from service.store.queue import Job
-from service.stream.assemble import Assembler, ResumeMismatch
-from service.stream.events import Delta, Event
+from service.stream.assemble import Assembler, ResumeMismatch, StepResult
+from service.stream.events import Delta, End, Error, Event
 from service.stream.lifecycle import ABORT_REASON, FinishReason, State
+from service.stream.logprobs import TokenText
+from service.stream.params import SamplingParams
+from service.stream.tools import parser_for
 from service.tokenize import ModelInfo
 from workers.engines.base import Engine, EngineError
 
@@ -37,6 +43,31 @@ class Outcome:
     handed_over: bool = False  # stopped for another worker to continue: no terminal event
 
 
+def engine_ids(request_id: str, n: int) -> list[str]:
+    """The engine's request id of each choice (choice 0's is the request's)."""
+    return [request_id if i == 0 else f"{request_id}/{i}" for i in range(n)]
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index``'s sampling: a seeded request's choices are different samples,
+    each reproducible (seed + index, as an int64)."""
+    if index == 0 or params.seed is None:
+        return params
+    seed = (params.seed + index + 2**63) % 2**64 - 2**63
+    return msgspec.structs.replace(params, seed=seed)
+
+
+def call_ids(request_id: str, index: int) -> Callable[[int], str]:
+    """Tool-call ids derived from the request: a worker that continues the request makes
+    the same ids for the calls it parses again."""
+
+    def make(call: int) -> str:
+        digest = hashlib.sha256(f"{request_id}/{index}/{call}".encode()).hexdigest()
+        return f"call_{digest[:24]}"
+
+    return make
+
+
 class Generation:
     def __init__(
         self, engine: Engine, model: ModelInfo, batcher: AppendBatcher, deadline_s: float
@@ -45,6 +76,13 @@ class Generation:
         self.model = model
         self.batcher = batcher
         self.deadline_s = deadline_s
+        self._token_text = TokenText(model.tokenizer)
+        self._choices: dict[str, int] = {}  # running request -> its choices
+
+    async def abort(self, request_id: str) -> None:
+        """Abort every choice of a request in the engine."""
+        for eid in engine_ids(request_id, self._choices.get(request_id, 1)):
+            await self.engine.abort(eid)
 
     async def run(
         self,
@@ -59,30 +97,128 @@ class Generation:
         passes, or ``decisions`` gets this request (cancel / abandon: the caller has
         asked the engine to abort, and the tokens it still makes are counted), or
         ``handing_over`` does (the engine was aborted; another worker continues).
-        ``logged``: the deltas of a request another worker started."""
+        ``logged``: the deltas of a request another worker started. Each of the
+        ``job.n`` choices is an engine request of its own; one End closes them all."""
         rid = job.request_id
-        asm = Assembler(
-            self.model.tokenizer,
-            prompt_tokens=len(job.prompt_token_ids),
-            stop=job.params.stop,
-            stop_token_ids=self.model.eos_token_ids,
-        )
-        if logged:
-            try:
-                asm, now = Assembler.resume(
-                    self.model.tokenizer,
-                    logged,
-                    prompt_tokens=len(job.prompt_token_ids),
-                    stop=job.params.stop,
-                    stop_token_ids=self.model.eos_token_ids,
+        n = max(job.n, 1)
+        self._choices[rid] = n
+        try:
+            outcomes = await asyncio.gather(
+                *(
+                    self._choice(
+                        job, i, owner, decisions, [d for d in logged if d.index == i], handing_over
+                    )
+                    for i in range(n)
                 )
-            except ResumeMismatch as exc:
-                return Outcome(asm.fail("resume_failed", str(exc)), None, "resume_failed")
+            )
+        finally:
+            self._choices.pop(rid, None)
+        if n == 1:
+            return outcomes[0]
+        return await self._merged(job, owner, outcomes)
+
+    async def _merged(self, job: Job, owner: Owner, outcomes: Sequence[Outcome]) -> Outcome:
+        """The choices' outcomes as the request's: their last deltas, then one End."""
+        ends = [o.events[-1] for o in outcomes]
+        assert all(isinstance(e, End) for e in ends)
+        starts = [o.first_token_at for o in outcomes if o.first_token_at is not None]
+        first_token_at = min(starts) if starts else None
+        if any(o.handed_over for o in outcomes):
+            # the finished choices' last deltas go in the log now: the worker that
+            # continues the request sees them ended
+            done = [e for o in outcomes if not o.handed_over for e in o.events[:-1]]
+            if done:
+                await self.batcher.append(owner, done, give_up_at=job.deadline_unix_s)
+            return Outcome([], first_token_at, handed_over=True)
+        total = sum(e.completion_tokens for e in ends if isinstance(e, End))
+        prompt = len(job.prompt_token_ids)
+        failed = [o for o in outcomes if o.error_code is not None]
+        if failed:  # the engine's own error first, not a sibling's abort that it caused
+            first = min(failed, key=lambda o: o.error_code == "engine_aborted")
+            error = [e for e in first.events if isinstance(e, Error)][:1]
+            end = End(
+                state=str(State.ERRORED),
+                finish_reason=None,
+                prompt_tokens=prompt,
+                completion_tokens=total,
+            )
+            return Outcome([*error, end], first_token_at, first.error_code)
+        deltas = [e for o in outcomes for e in o.events[:-1]]
+        states = {e.state for e in ends if isinstance(e, End)}
+        state = next(iter(states)) if len(states) == 1 else str(State.FINISHED)
+        covered = None
+        if any(o.covered_tokens is not None for o in outcomes):
+            covered = sum(
+                o.covered_tokens if o.covered_tokens is not None else e.completion_tokens
+                for o, e in zip(outcomes, ends, strict=True)
+                if isinstance(e, End)
+            )
+        reasons = [e.finish_reason for e in ends if isinstance(e, End)]
+        end = End(
+            state=state,
+            finish_reason=reasons[0],
+            prompt_tokens=prompt,
+            completion_tokens=total,
+            finish_reasons=reasons,
+        )
+        return Outcome([*deltas, end], first_token_at, covered_tokens=covered)
+
+    def _assembler(
+        self, job: Job, index: int, logged: Sequence[Delta]
+    ) -> tuple[Assembler, StepResult | None]:
+        """Choice ``index``'s assembler: new, or rebuilt from its logged deltas (with what
+        it releases at once)."""
+        fmt = job.tools
+        tools = None if fmt is None else parser_for(fmt, call_ids(job.request_id, index))
+        token_text = None if job.params.logprobs is None else self._token_text
+        stop_ids = (*self.model.eos_token_ids, *job.params.stop_token_ids)
+        prompt_tokens = len(job.prompt_token_ids)
+        if not logged:
+            asm = Assembler(
+                self.model.tokenizer,
+                prompt_tokens=prompt_tokens,
+                stop=job.params.stop,
+                stop_token_ids=stop_ids,
+                tools=tools,
+                token_text=token_text,
+                index=index,
+            )
+            return asm, None
+        return Assembler.resume(
+            self.model.tokenizer,
+            logged,
+            prompt_tokens=prompt_tokens,
+            stop=job.params.stop,
+            stop_token_ids=stop_ids,
+            tools=tools,
+            token_text=token_text,
+            index=index,
+        )
+
+    async def _choice(
+        self,
+        job: Job,
+        index: int,
+        owner: Owner,
+        decisions: Mapping[str, State],
+        logged: Sequence[Delta],
+        handing_over: Container[str],
+    ) -> Outcome:
+        rid = job.request_id
+        eid = engine_ids(rid, index + 1)[index]
+        params = choice_params(job.params, index)
+        stop_ids = frozenset((*self.model.eos_token_ids, *params.stop_token_ids))
+        try:
+            asm, now = self._assembler(job, index, logged)
+        except ResumeMismatch as exc:
+            fresh = Assembler(self.model.tokenizer, prompt_tokens=len(job.prompt_token_ids))
+            return Outcome(fresh.fail("resume_failed", str(exc)), None, "resume_failed")
+        if now is not None:
             if now.events:
                 await self.batcher.append(owner, now.events, give_up_at=job.deadline_unix_s)
             made = asm.token_ids
-            if now.stopped or (made and made[-1] in self.model.eos_token_ids):
-                # the previous worker logged the request's last token, not its end
+            if now.stopped or (made and made[-1] in stop_ids and not params.ignore_eos):
+                # the previous worker logged the choice's last token, not its end
                 return Outcome(asm.finish(State.FINISHED, FinishReason.STOP), None)
         generated = list(asm.token_ids)
         first_token_at: float | None = None
@@ -91,7 +227,7 @@ class Generation:
         reason: str | None = None
         try:
             async with asyncio.timeout(budget):
-                gen = self.engine.generate(rid, job.prompt_token_ids, job.params, generated)
+                gen = self.engine.generate(eid, job.prompt_token_ids, params, generated)
                 async with contextlib.aclosing(gen):
                     async for out in gen:
                         if rid in handing_over and rid not in decisions:
@@ -104,19 +240,19 @@ class Generation:
                             if out.finished:
                                 break
                             continue
-                        step = asm.step(out.token_ids)
+                        step = asm.step(out.token_ids, out.logprobs)
                         if step.events:
                             await self.batcher.append(
                                 owner, step.events, give_up_at=job.deadline_unix_s
                             )
                         if step.stopped:  # a stop string completed: free the engine now
-                            await self.engine.abort(rid)
+                            await self.engine.abort(eid)
                             break
                         if out.finished:
                             reason = out.finish_reason
                             break
         except TimeoutError:
-            await self.engine.abort(rid)
+            await self.engine.abort(eid)
             msg = f"request exceeded its deadline of {self.deadline_s:g} s"
             return Outcome(asm.fail("deadline_exceeded", msg), first_token_at, "deadline")
         except EngineError as exc:

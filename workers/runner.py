@@ -150,7 +150,7 @@ class Runner:
             return
         self.decisions[rid] = state
         ABORTS.labels(reason=str(state)).inc()
-        task = asyncio.create_task(self.engine.abort(rid))
+        task = asyncio.create_task(self.generation.abort(rid))
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
 
@@ -181,7 +181,7 @@ class Runner:
                 for task in left:
                     rid = task.get_name()
                     self.handing_over.add(rid)
-                    aborting = asyncio.create_task(self.engine.abort(rid))
+                    aborting = asyncio.create_task(self.generation.abort(rid))
                     self._aborts.add(aborting)
                     aborting.add_done_callback(self._aborts.discard)
                 await asyncio.gather(*left, return_exceptions=True)
@@ -204,7 +204,7 @@ class Runner:
             # queued again while this worker still ran it (it was frozen past its
             # heartbeat): the old run is fenced out; let it stop before this one starts
             with contextlib.suppress(Exception):
-                await self.engine.abort(rid)
+                await self.generation.abort(rid)
             await asyncio.wait(prior)
         try:
             owner = await self.log.claim(rid, self.settings.worker_id, entry_id)
@@ -368,7 +368,7 @@ class Runner:
         to the sweeper and its TTL."""
         rid = job.request_id
         with contextlib.suppress(Exception):
-            await self.engine.abort(rid)
+            await self.generation.abort(rid)
         backoff = 0.1
         while True:
             try:

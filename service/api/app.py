@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -59,6 +60,9 @@ def _api_error(_: Request[Any, Any, Any], exc: ApiError) -> Response[Any]:
     return _error_response(exc)
 
 
+_UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(.*)`")
+
+
 def _http_error(_: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
     """Litestar's own errors (validation, 404 routes, 413) in OpenAI's error shape."""
     status = exc.status_code
@@ -69,6 +73,11 @@ def _http_error(_: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
         if isinstance(first, dict):
             message = f"{exc.detail}: {first.get('message', '')}".rstrip(": ")
             param = str(first.get("key") or "") or None
+            unknown = _UNKNOWN_FIELD.match(str(first.get("message", "")))
+            if unknown is not None:  # OpenAI's words for it
+                where = "" if param in (None, "data") else f"{param}."
+                param = f"{where}{unknown.group(1)}"
+                message = f"Unrecognized request argument supplied: {param}"
     REJECTED.labels(status=str(status)).inc()
     kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
     body = {"error": {"message": message, "type": kind, "param": param, "code": None}}

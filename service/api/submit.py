@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from service.api.auth import Principal
 from service.api.context import Context
+from service.api.contract import Output, check_engine
 from service.api.schemas import ChatCompletionRequest, CompletionRequest
 from service.errors import Forbidden, InvalidRequest, NotFound
 from service.store.keys import principal as who
@@ -20,6 +21,7 @@ from service.store.queue import Job, encode_job
 from service.stream.events import Created, Kind
 from service.stream.ids import Cursor, InvalidEventId
 from service.stream.params import SamplingParams
+from service.stream.tools import ToolFormat
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LEN = 64
@@ -33,6 +35,9 @@ class Submission:
     include_usage: bool
     resume_grace_s: float
     detached: bool
+    n: int = 1
+    tools: ToolFormat | None = None
+    user: str | None = None
 
 
 # what ``new_request_id`` issues, and so all a per-request route may look up
@@ -95,8 +100,6 @@ def check_model(
             param="model",
             code="model_not_allowed",
         )
-    if body.n != 1:
-        raise InvalidRequest(f"n is {body.n}; only n=1 is supported", param="n")
 
 
 def check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -154,6 +157,7 @@ def submission(
     kind: Kind,
     prompt_ids: list[int],
     max_tokens: int | None,
+    output: Output,
 ) -> Submission:
     settings = ctx.settings
     ctx_len = min(ctx.model.max_model_len, settings.max_model_len)
@@ -182,7 +186,10 @@ def submission(
             prompt_param="messages" if kind == Kind.CHAT else "prompt",
         ),
         stop=check_stop(body.stop),
+        logprobs=output.logprobs,
+        structured=output.structured,
     )
+    check_engine(settings.engine, params)
     return Submission(
         kind=kind,
         prompt_token_ids=prompt_ids,
@@ -190,6 +197,9 @@ def submission(
         include_usage=bool(options and options.include_usage),
         resume_grace_s=grace,
         detached=bool(options and options.detached),
+        n=body.n or 1,
+        tools=output.tools,
+        user=body.user,
     )
 
 
@@ -215,6 +225,8 @@ async def submit(
         include_usage=sub.include_usage,
         tenant=principal.tenant,
         api_key_id=principal.key_id,
+        n=sub.n,
+        user=sub.user,
     )
     settings = ctx.settings
     safety_ttl_s = int(settings.hot_log_ttl_s + 2 * settings.request_deadline_s)
@@ -223,6 +235,8 @@ async def submit(
         prompt_token_ids=sub.prompt_token_ids,
         params=sub.params,
         deadline_unix_s=time.time() + settings.request_deadline_s,
+        n=sub.n,
+        tools=sub.tools,
     )
     # the log, the caller's reader lease and the job: one script, one round trip (each
     # await is a turn of a busy event loop: five of them made a burst of starts slow)

@@ -33,6 +33,7 @@ COMPARED = (
     "takeovers",
     "handovers",
     "reprefill_tokens",
+    "end_user",
     "last_event_id",
 )
 

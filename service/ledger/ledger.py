@@ -140,6 +140,7 @@ def row_values(s: Summary, end_id: str) -> dict[str, Any]:
         "handovers": s.handovers,
         "reprefill_tokens": s.reprefill_tokens,
         "error_code": s.error_code,
+        "end_user": s.user,
         "worker_id": s.worker_id,
         "last_event_id": end_id,
         "recorded_ms": int(time.time() * 1000),

@@ -56,6 +56,7 @@ class RequestRow(Base):
     handovers: Mapped[int] = mapped_column(Integer, server_default="0")
     reprefill_tokens: Mapped[int] = mapped_column(Integer, server_default="0")
     error_code: Mapped[str | None] = mapped_column(String(64))
+    end_user: Mapped[str | None] = mapped_column(String(256))  # the request's ``user``
     worker_id: Mapped[str | None] = mapped_column(Text)
     last_event_id: Mapped[str | None] = mapped_column(String(48))
     recorded_ms: Mapped[int] = mapped_column(BigInteger)  # when the row was written (ms)

@@ -20,6 +20,7 @@ from service.store import groups, replies, scripts
 from service.store.keys import JOB_FIELD, QUEUE_GROUP, Keys
 from service.stream.lifecycle import Requeue
 from service.stream.params import SamplingParams
+from service.stream.tools import ToolFormat
 
 
 class Job(msgspec.Struct, array_like=True, gc=False):
@@ -27,6 +28,8 @@ class Job(msgspec.Struct, array_like=True, gc=False):
     prompt_token_ids: list[int]
     params: SamplingParams
     deadline_unix_s: float = 0.0  # 0: none
+    n: int = 1  # choices, each its own engine request (choice i's seed: seed + i)
+    tools: ToolFormat | None = None  # how tool calls are parsed out of the output
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -19,6 +19,8 @@ from service.stream.detokenize import Detokenizer
 from service.stream.events import Delta, End, Error, Event
 from service.stream.holdback import Holdback
 from service.stream.lifecycle import FinishReason, State
+from service.stream.logprobs import Logprob, Sampled, TokenText
+from service.stream.tools import ToolFragment, ToolParser
 
 
 class ResumeMismatch(ValueError):
@@ -28,10 +30,51 @@ class ResumeMismatch(ValueError):
 @dataclasses.dataclass(slots=True)
 class StepResult:
     events: list[Event]
-    stopped: bool  # a stop string completed: the request is over, abort the engine
+    # a stop string completed, or the tool calls asked for are complete: the choice is
+    # over, abort the engine
+    stopped: bool
+
+
+@dataclasses.dataclass(slots=True)
+class _Output:
+    """What a choice showed: its content and its calls (id, name, arguments)."""
+
+    content: list[str] = dataclasses.field(default_factory=list)
+    calls: dict[int, list[str | None]] = dataclasses.field(default_factory=dict)
+
+    def add(self, text: str, pieces: Sequence[ToolFragment]) -> None:
+        self.content.append(text)
+        for p in pieces:
+            call = self.calls.setdefault(p.call, [p.id, p.name, ""])
+            call[2] = (call[2] or "") + p.arguments
+
+    def rest_after(self, shown: _Output) -> tuple[str, list[ToolFragment]] | None:
+        """What this output has beyond ``shown`` (None: ``shown`` is not a prefix of it)."""
+        mine, theirs = "".join(self.content), "".join(shown.content)
+        if not mine.startswith(theirs):
+            return None
+        pieces = []
+        for k, (cid, name, args) in sorted(self.calls.items()):
+            old = shown.calls.get(k)
+            if old is None:
+                pieces.append(ToolFragment(k, cid, name, args or ""))
+                continue
+            if old[:2] != [cid, name] or not (args or "").startswith(old[2] or ""):
+                return None
+            if len(args or "") > len(old[2] or ""):
+                pieces.append(ToolFragment(k, arguments=(args or "")[len(old[2] or "") :]))
+        if set(shown.calls) - set(self.calls):
+            return None
+        return mine[len(theirs) :], pieces
 
 
 class Assembler:
+    """One choice: ids (and their logprobs) in, deltas and the end out.
+
+    ``tools``: the choice's tool-call parser, fed what the holdback releases (content
+    and call pieces come out); ``token_text``: turns the engine's logprobs into the
+    log's (given when the request asked for logprobs); ``index``: the choice."""
+
     def __init__(
         self,
         tokenizer: Tokenizer,
@@ -39,14 +82,23 @@ class Assembler:
         prompt_tokens: int,
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
+        tools: ToolParser | None = None,
+        token_text: TokenText | None = None,
+        index: int = 0,
     ) -> None:
         self._detok = Detokenizer(tokenizer)
         self._holdback = Holdback(stop)
         self._stop_ids = frozenset(stop_token_ids)
+        self._tools = tools
+        self._token_text = token_text
+        self._index = index
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self._unsent_ids: list[int] = []
+        self._unsent_logprobs: list[Logprob] = []
         self._ids: list[int] = []
+        self._shown = 0  # characters of content released
+        self._done = False  # the tool calls asked for are complete
         self.ended = False
 
     @classmethod
@@ -58,26 +110,44 @@ class Assembler:
         prompt_tokens: int,
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
+        tools: ToolParser | None = None,
+        token_text: TokenText | None = None,
+        index: int = 0,
     ) -> tuple[Assembler, StepResult]:
-        """The assembler as it was after ``logged`` (a log's deltas, in order), and what it
-        releases at once (nothing, unless the log was written by other rules); ``stopped``
-        when the logged ids already complete a stop string. Raises ``ResumeMismatch`` if
-        the logged ids do not decode to the logged text (another tokenizer)."""
-        asm = cls(tokenizer, prompt_tokens=prompt_tokens, stop=stop, stop_token_ids=stop_token_ids)
-        shown = "".join(d.text for d in logged)
-        made = "".join(
-            asm._detok.step(t for t in d.token_ids if t not in asm._stop_ids) for d in logged
+        """The assembler as it was after ``logged`` (a log's deltas of this choice, in
+        order), and what it releases at once (nothing, unless the log was written by
+        other rules); ``stopped`` when the logged ids already complete a stop string or
+        the calls asked for. Raises ``ResumeMismatch`` if the logged ids do not make the
+        logged output (another tokenizer, another parser)."""
+        asm = cls(
+            tokenizer,
+            prompt_tokens=prompt_tokens,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            tools=tools,
+            token_text=token_text,
+            index=index,
         )
+        shown = _Output()
+        for d in logged:
+            shown.add(d.text, d.tools or ())
+        # the same pipeline over all the logged ids at once (each stage is monotone: any
+        # split of its input gives the same output), then what it shows beyond the log
+        made = asm._detok.step(t for d in logged for t in d.token_ids if t not in asm._stop_ids)
         asm._ids = [t for d in logged for t in d.token_ids]
         asm.completion_tokens = len(asm._ids)
-        if not made.startswith(shown):
+        released, stopped = asm._holdback.feed(made) if made else ("", False)
+        text, pieces = asm._parse(released, stopped)
+        fresh = _Output()
+        fresh.add(text, pieces)
+        rest = fresh.rest_after(shown)
+        if rest is None:
             raise ResumeMismatch(
-                f"the log's {asm.completion_tokens} token ids decode to text that does not "
-                "start with the log's text"
+                f"the log's {asm.completion_tokens} token ids make output that does not "
+                "start with the log's"
             )
-        held = made[len(shown) :]
-        released, stopped = asm._holdback.feed(held) if held else ("", False)
-        return asm, StepResult(asm._delta(released), stopped)
+        asm._shown = len("".join(shown.content))
+        return asm, StepResult(asm._delta(*rest), stopped or asm._done)
 
     @property
     def token_ids(self) -> Sequence[int]:
@@ -85,25 +155,31 @@ class Assembler:
         prompt)."""
         return self._ids
 
-    def step(self, token_ids: Sequence[int]) -> StepResult:
-        if self.ended or self._holdback.stopped:
+    def step(
+        self, token_ids: Sequence[int], logprobs: Sequence[Sampled] | None = None
+    ) -> StepResult:
+        if self.ended or self._holdback.stopped or self._done:
             # Tokens the engine made after the stop decision: counted, never shown.
             self.completion_tokens += len(token_ids)
             return StepResult([], True)
         self.completion_tokens += len(token_ids)
         self._unsent_ids.extend(token_ids)
         self._ids.extend(token_ids)
+        if logprobs is not None and self._token_text is not None:
+            kept = [(t, lp) for t, lp in zip(token_ids, logprobs, strict=True)]
+            kept = [(t, lp) for t, lp in kept if t not in self._stop_ids]
+            self._unsent_logprobs.extend(
+                self._token_text.logprobs([t for t, _ in kept], [lp for _, lp in kept])
+            )
         text = self._detok.step(t for t in token_ids if t not in self._stop_ids)
         released, stopped = self._holdback.feed(text) if text else ("", False)
-        events: list[Event] = []
-        if released or stopped:
-            events.extend(self._delta(released))
-        return StepResult(events, stopped)
+        content, pieces = self._parse(released, stopped)
+        return StepResult(self._delta(content, pieces), stopped or self._done)
 
     def finish(self, state: State, finish_reason: str | None) -> list[Event]:
         """Flush held text (unless a stop string ended it) and close with ``End``."""
         events: list[Event] = []
-        if self._holdback.stopped:
+        if self._holdback.stopped or self._done:
             state, finish_reason = State.FINISHED, FinishReason.STOP
         elif state == State.FINISHED:
             tail = self._detok.finish()
@@ -112,7 +188,14 @@ class Assembler:
                 finish_reason = FinishReason.STOP
             else:
                 released += self._holdback.finish()
-            events.extend(self._delta(released))
+            events.extend(self._delta(*self._parse(released, True)))
+        if (
+            state == State.FINISHED
+            and finish_reason == FinishReason.STOP
+            and self._tools is not None
+            and self._tools.calls
+        ):
+            finish_reason = FinishReason.TOOL_CALLS
         events.append(self._end(state, finish_reason))
         return events
 
@@ -120,11 +203,38 @@ class Assembler:
         """The engine failed: an in-band error, then ``End(errored)``."""
         return [Error(code=code, message=message), self._end(State.ERRORED, None)]
 
-    def _delta(self, text: str) -> list[Event]:
-        if not text:
+    def _parse(self, released: str, last: bool) -> tuple[str, list[ToolFragment]]:
+        """Released text as content and call pieces (``last``: nothing follows it)."""
+        if self._tools is None:
+            return released, []
+        out = self._tools.feed(released) if released else []
+        if last:
+            out += self._tools.finish()
+        self._done = self._tools.done
+        content = "".join(p for p in out if isinstance(p, str))
+        return content, [p for p in out if not isinstance(p, str)]
+
+    def _delta(self, text: str, pieces: Sequence[ToolFragment] = ()) -> list[Event]:
+        if not text and not pieces:
             return []
         ids, self._unsent_ids = self._unsent_ids, []
-        return [Delta(text=text, token_ids=ids, n=self.completion_tokens)]
+        logprobs = None
+        if self._token_text is not None:
+            logprobs, self._unsent_logprobs = self._unsent_logprobs, []
+        # text completions' logprobs count characters from the choice's start
+        offset = self._shown if logprobs is not None else None
+        self._shown += len(text)
+        return [
+            Delta(
+                text=text,
+                token_ids=ids,
+                n=self.completion_tokens,
+                index=self._index,
+                logprobs=logprobs,
+                offset=offset,
+                tools=list(pieces) or None,
+            )
+        ]
 
     def _end(self, state: State, finish_reason: str | None) -> End:
         self.ended = True

@@ -14,6 +14,9 @@ from typing import Any
 
 import msgspec
 
+from service.stream.logprobs import Logprob
+from service.stream.tools import ToolFragment
+
 
 class Kind(enum.StrEnum):
     CHAT = "chat"  # /v1/chat/completions
@@ -34,6 +37,9 @@ class Created(_Event, tag="c"):
     include_usage: bool = False
     tenant: str = "default"
     api_key_id: str | None = None
+    # (new fields go last: entries are arrays, and logs written before them still decode)
+    n: int = 1  # choices
+    user: str | None = None  # the request's ``user`` (recorded in the ledger)
 
 
 class Delta(_Event, tag="d"):
@@ -46,6 +52,12 @@ class Delta(_Event, tag="d"):
     text: str
     token_ids: list[int]
     n: int
+    index: int = 0  # the choice (n > 1)
+    # the sampled ids' logprobs (when asked: one per id of ``token_ids`` but EOS), and
+    # for text completions the characters of the choice's text before this delta
+    logprobs: list[Logprob] | None = None
+    offset: int | None = None
+    tools: list[ToolFragment] | None = None  # pieces of tool calls, after ``text``
 
 
 class Error(_Event, tag="x"):
@@ -69,6 +81,7 @@ class End(_Event, tag="e"):
     takeovers: int = 0
     handovers: int = 0
     reprefill_tokens: int = 0
+    finish_reasons: list[str | None] | None = None  # per choice, when n > 1
 
 
 Event = Created | Delta | Error | End
@@ -107,6 +120,7 @@ class Summary(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     takeovers: int = 0
     handovers: int = 0
     reprefill_tokens: int = 0
+    user: str | None = None
 
 
 def summarize(
@@ -135,6 +149,7 @@ def summarize(
         reprefill_tokens=end.reprefill_tokens,
         tenant=created.tenant if created else None,
         api_key_id=created.api_key_id if created else None,
+        user=created.user if created else None,
         **extra,
     )
 

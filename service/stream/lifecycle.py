@@ -43,6 +43,7 @@ class FinishReason(enum.StrEnum):
 
     STOP = "stop"
     LENGTH = "length"
+    TOOL_CALLS = "tool_calls"  # the choice ended with tool calls (instead of "stop")
     CANCELLED = "cancelled"
     ABANDONED = "abandoned"
 

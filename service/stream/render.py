@@ -9,6 +9,7 @@ replica, renders the same bytes: resume and replay are exact.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgspec
@@ -16,6 +17,7 @@ import msgspec
 from service.stream import sse
 from service.stream.events import Created, Delta, End, Error, Event, Kind
 from service.stream.ids import Cursor, EventId, frame_ids, frames_to_skip
+from service.stream.logprobs import Logprob, chat_logprobs, completion_logprobs
 from service.stream.sse import DONE
 
 _json = msgspec.json.Encoder()
@@ -43,20 +45,52 @@ class ChunkRenderer:
 
     def render(self, event: Event) -> list[bytes]:
         if isinstance(event, Created):
-            return [self._chunk({"role": "assistant", "content": ""})] if self.chat else []
+            if not self.chat:
+                return []
+            return [self._chunk(i, {"role": "assistant", "content": ""}) for i in self._choices()]
         if isinstance(event, Delta):
-            return [self._chunk({"content": event.text}, text=event.text)]
+            return self._delta(event)
         if isinstance(event, Error):
             return [_json.encode(error_object(event))]
         if isinstance(event, End):
             return self._end(event)
         raise TypeError(f"unknown event {event!r}")
 
+    def _choices(self) -> range:
+        return range(self.created.n)
+
+    def _delta(self, d: Delta) -> list[bytes]:
+        """The text, then each tool-call piece, one chunk each; logprobs on the first."""
+        logprobs = None
+        if d.logprobs is not None:
+            if self.chat:
+                logprobs = chat_logprobs(d.logprobs)
+            else:
+                logprobs = completion_logprobs(d.logprobs, d.offset or 0)
+        frames = []
+        if d.text or not d.tools:
+            frames.append(self._chunk(d.index, {"content": d.text}, text=d.text, logprobs=logprobs))
+            logprobs = None
+        for piece in d.tools or ():
+            call: dict[str, Any] = {"index": piece.call}
+            if piece.id is not None:
+                call["id"] = piece.id
+                call["type"] = "function"
+                call["function"] = {"name": piece.name, "arguments": piece.arguments}
+            else:
+                call["function"] = {"arguments": piece.arguments}
+            frames.append(self._chunk(d.index, {"tool_calls": [call]}, logprobs=logprobs))
+            logprobs = None
+        return frames
+
     def _end(self, end: End) -> list[bytes]:
         if end.finish_reason is None:
             # errored: the error event already told the client; no [DONE] after an error
             return []
-        frames = [self._chunk({}, text="", finish_reason=end.finish_reason)]
+        reasons = end.finish_reasons or [end.finish_reason]
+        frames = [
+            self._chunk(i, {}, text="", finish_reason=reason) for i, reason in enumerate(reasons)
+        ]
         if self.created.include_usage:
             frames.append(_json.encode({**self._head(), "choices": [], "usage": usage(end)}))
         frames.append(DONE)
@@ -71,15 +105,28 @@ class ChunkRenderer:
         }
 
     def _chunk(
-        self, delta: dict[str, Any], *, text: str = "", finish_reason: str | None = None
+        self,
+        index: int,
+        delta: dict[str, Any],
+        *,
+        text: str = "",
+        finish_reason: str | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> bytes:
         if self.chat:
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
+            choice: dict[str, Any] = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text}
-        choice["logprobs"] = None
+            choice = {"index": index, "text": text}
+        choice["logprobs"] = logprobs
         choice["finish_reason"] = finish_reason
         return _json.encode({**self._head(), "choices": [choice]})
+
+
+@dataclasses.dataclass(slots=True)
+class _Choice:
+    parts: list[str] = dataclasses.field(default_factory=list)
+    calls: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    logprobs: list[Logprob] | None = None
 
 
 class ResponseAggregate:
@@ -88,13 +135,23 @@ class ResponseAggregate:
     def __init__(self, request_id: str, created: Created) -> None:
         self.request_id = request_id
         self.created = created
-        self.parts: list[str] = []
+        self.choices = [_Choice() for _ in range(created.n)]
         self.end: End | None = None
         self.error: Error | None = None
 
     def add(self, event: Event) -> None:
         if isinstance(event, Delta):
-            self.parts.append(event.text)
+            choice = self.choices[event.index]
+            choice.parts.append(event.text)
+            if event.logprobs is not None:
+                choice.logprobs = (choice.logprobs or []) + event.logprobs
+            for piece in event.tools or ():
+                call = choice.calls.setdefault(
+                    piece.call,
+                    {"id": piece.id, "type": "function", "function": {"name": piece.name}},
+                )
+                fn = call["function"]
+                fn["arguments"] = fn.get("arguments", "") + piece.arguments
         elif isinstance(event, Error):
             self.error = event
         elif isinstance(event, End):
@@ -102,27 +159,38 @@ class ResponseAggregate:
 
     @property
     def text(self) -> str:
-        return "".join(self.parts)
+        return "".join(self.choices[0].parts)
 
     def response(self) -> dict[str, Any]:
         if self.end is None:
             raise RuntimeError("the request has not ended")
         chat = self.created.kind == Kind.CHAT
-        if chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": self.text},
-            }
-        else:
-            choice = {"index": 0, "text": self.text}
-        choice["logprobs"] = None
-        choice["finish_reason"] = self.end.finish_reason
+        reasons = self.end.finish_reasons or [self.end.finish_reason]
+        choices = []
+        for index, (c, reason) in enumerate(zip(self.choices, reasons, strict=True)):
+            text = "".join(c.parts)
+            logprobs: dict[str, Any] | None = None
+            if chat:
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if c.calls:
+                    message["content"] = text or None
+                    message["tool_calls"] = [c.calls[k] for k in sorted(c.calls)]
+                choice: dict[str, Any] = {"index": index, "message": message}
+                if c.logprobs is not None:
+                    logprobs = chat_logprobs(c.logprobs)
+            else:
+                choice = {"index": index, "text": text}
+                if c.logprobs is not None:
+                    logprobs = completion_logprobs(c.logprobs, 0)
+            choice["logprobs"] = logprobs
+            choice["finish_reason"] = reason
+            choices.append(choice)
         return {
             "id": self.request_id,
             "object": "chat.completion" if chat else "text_completion",
             "created": self.created.created,
             "model": self.created.model,
-            "choices": [choice],
+            "choices": choices,
             "usage": usage(self.end),
         }
 
@@ -147,13 +215,28 @@ def coalesce(batch: list[tuple[EventId, Event]]) -> list[tuple[EventId, Event]]:
     """
     out: list[tuple[EventId, Event]] = []
     for eid, event in batch:
-        if out and isinstance(event, Delta) and isinstance(out[-1][1], Delta):
-            prev = out[-1][1]
-            assert isinstance(prev, Delta)
+        prev = out[-1][1] if out else None
+        if isinstance(event, Delta) and isinstance(prev, Delta) and _mergeable(prev, event):
             merged = Delta(
-                text=prev.text + event.text, token_ids=prev.token_ids + event.token_ids, n=event.n
+                text=prev.text + event.text,
+                token_ids=prev.token_ids + event.token_ids,
+                n=event.n,
+                index=event.index,
+                logprobs=None if prev.logprobs is None else prev.logprobs + (event.logprobs or []),
+                offset=prev.offset,
             )
             out[-1] = (eid, merged)
         else:
             out.append((eid, event))
     return out
+
+
+def _mergeable(a: Delta, b: Delta) -> bool:
+    """Two deltas one reader may see as one: same choice, text only (a tool-call piece
+    keeps its place), logprobs on both or neither."""
+    return (
+        a.index == b.index
+        and not a.tools
+        and not b.tools
+        and (a.logprobs is None) == (b.logprobs is None)
+    )

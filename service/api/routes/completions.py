@@ -16,14 +16,10 @@ from litestar.response import Stream
 from service.api import tokens
 from service.api.auth import Principal
 from service.api.context import Context
+from service.api.contract import chat_output, chat_prompt, check_refused, completion_output
 from service.api.metrics import REQUESTS
 from service.api.readers import collect, nothing_after, sse_frames
-from service.api.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    error_responses,
-    message_dicts,
-)
+from service.api.schemas import ChatCompletionRequest, CompletionRequest, error_responses
 from service.api.submit import (
     Submission,
     check_model,
@@ -229,15 +225,17 @@ class CompletionsController(Controller):
         data: ChatCompletionRequest,
     ) -> Response[Any] | Stream:
         check_model(ctx, data, principal)
+        check_refused(data)
         if not data.messages:
             raise InvalidRequest("'messages' must not be empty", param="messages")
+        output = chat_output(data, ctx.model, ctx.settings.tool_parser)
         try:
-            text = ctx.model.render_chat(message_dicts(data.messages))
+            text = chat_prompt(ctx.model, data)
         except Exception as exc:  # noqa: BLE001 - the template rejects the conversation
             raise InvalidRequest(f"invalid messages: {exc}", param="messages") from None
         prompt_ids = ctx.model.encode(text)
         max_tokens = data.max_completion_tokens or data.max_tokens
-        sub = submission(ctx, data, Kind.CHAT, prompt_ids, max_tokens)
+        sub = submission(ctx, data, Kind.CHAT, prompt_ids, max_tokens, output)
         return await _answer(ctx, request, data, sub, principal)
 
     @post(
@@ -254,6 +252,7 @@ class CompletionsController(Controller):
         data: CompletionRequest,
     ) -> Response[Any] | Stream:
         check_model(ctx, data, principal)
+        check_refused(data)
         prompt = data.prompt
         if isinstance(prompt, list) and any(isinstance(p, str) for p in prompt):
             if len(prompt) != 1 or not isinstance(prompt[0], str):
@@ -275,5 +274,5 @@ class CompletionsController(Controller):
             prompt_ids = [int(t) for t in prompt]
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
-        sub = submission(ctx, data, Kind.TEXT, prompt_ids, data.max_tokens)
+        sub = submission(ctx, data, Kind.TEXT, prompt_ids, data.max_tokens, completion_output(data))
         return await _answer(ctx, request, data, sub, principal)

@@ -1,0 +1,196 @@
+"""The OpenAI request contract beyond sampling: what a chat or completion body asks of
+the output (tool calls, structured output, logprobs, choices), checked and resolved
+before the request exists.
+
+Everything here is a 400 that names the field when it cannot be honoured: a field
+the schema does not declare (the schemas forbid them), an OpenAI field no engine here
+serves (``REFUSED_FIELDS``), or a known field the configured engine cannot honour
+(``service.stream.params.UNSUPPORTED``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgspec
+
+from service.api.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    NamedToolChoice,
+    message_dicts,
+    refused_field,
+)
+from service.errors import InvalidRequest
+from service.stream.params import SamplingParams, Structured, unsupported
+from service.stream.tools import ToolFormat, detect_format, forced_schema, tool_system_prompt
+from service.tokenize import ModelInfo
+
+TOOL_PARSERS = ("hermes", "llama3_json")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Output:
+    """What the request asks of its output, resolved."""
+
+    logprobs: int | None = None
+    structured: Structured | None = None
+    tools: ToolFormat | None = None
+
+
+def check_refused(body: ChatCompletionRequest | CompletionRequest) -> None:
+    name = refused_field(body)
+    if name is not None:
+        raise InvalidRequest(
+            f"'{name}' is not supported by this server", param=name, code="unsupported_parameter"
+        )
+
+
+def check_engine(engine: str, params: SamplingParams) -> None:
+    """A 400 naming the first field ``engine`` cannot honour."""
+    refused = unsupported(engine, params)
+    if refused:
+        raise InvalidRequest(
+            f"'{refused[0]}' is not supported by the {engine} engine",
+            param=refused[0],
+            code="unsupported_parameter",
+        )
+
+
+def chat_prompt(model: ModelInfo, body: ChatCompletionRequest) -> str:
+    """The conversation through the model's chat template, with the tools the request
+    offers (``tool_choice`` "none": not offered). A template that does not render
+    ``tools`` gets them in a system message, and earlier calls and tool answers as
+    Hermes-style text, so that the model sees them all the same."""
+    messages = message_dicts(body.messages)
+    if "developer" not in model.chat_template:  # OpenAI's newer name for it
+        messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    tools = offered_tools(body)
+    if tools and "tools" not in model.chat_template:
+        messages = _as_text(messages, tools)
+        tools = None
+    elif not tools and "tool_calls" not in model.chat_template:
+        messages = _as_text(messages, None)
+    return model.render_chat(messages, tools=tools)
+
+
+def offered_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    if not body.tools or body.tool_choice == "none":
+        return None
+    return [msgspec.to_builtins(t) for t in body.tools]
+
+
+def chat_output(body: ChatCompletionRequest, model: ModelInfo, parser: str) -> Output:
+    """``parser``: the setting (auto: the model's family, from its chat template)."""
+    logprobs = None
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequest(
+            "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value"
+        )
+    if body.logprobs:
+        logprobs = body.top_logprobs or 0
+    structured = response_structured(body)
+    tools = None
+    choice = body.tool_choice
+    if choice is not None and not body.tools:
+        raise InvalidRequest(
+            "'tool_choice' is only allowed when 'tools' are given", param="tool_choice"
+        )
+    if body.parallel_tool_calls is not None and not body.tools:
+        raise InvalidRequest(
+            "'parallel_tool_calls' is only allowed when 'tools' are given",
+            param="parallel_tool_calls",
+        )
+    if body.tools and choice != "none":
+        names = [t.function.name for t in body.tools]
+        if len(set(names)) != len(names):
+            raise InvalidRequest("'tools' names a function twice", param="tools")
+        parallel = body.parallel_tool_calls is not False
+        offered = [msgspec.to_builtins(t) for t in body.tools]
+        forced: str | None = None
+        if isinstance(choice, NamedToolChoice):
+            forced = choice.function.name
+            if forced not in names:
+                raise InvalidRequest(
+                    f"tool_choice names the function '{forced}', which 'tools' does not offer",
+                    param="tool_choice",
+                )
+            tools = ToolFormat("named", forced, parallel=False)
+        elif choice == "required":
+            tools = ToolFormat("required", parallel=parallel)
+        else:
+            tools = ToolFormat(_parser(parser, model), parallel=parallel)
+        if tools.kind in ("named", "required"):
+            if structured is not None:
+                raise InvalidRequest(
+                    "'response_format' cannot be combined with a forced 'tool_choice'",
+                    param="response_format",
+                )
+            schema = forced_schema([t["function"] for t in offered], forced)
+            structured = Structured(kind="json_schema", schema=msgspec.json.encode(schema).decode())
+    return Output(logprobs=logprobs, structured=structured, tools=tools)
+
+
+def completion_output(body: CompletionRequest) -> Output:
+    return Output(logprobs=body.logprobs)
+
+
+def response_structured(body: ChatCompletionRequest) -> Structured | None:
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        if fmt is not None and fmt.json_schema is not None:
+            raise InvalidRequest(
+                "'response_format.json_schema' needs type 'json_schema'",
+                param="response_format.json_schema",
+            )
+        return None
+    if fmt.type == "json_object":
+        return Structured(kind="json_object")
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise InvalidRequest(
+            "response_format type 'json_schema' needs 'json_schema.schema'",
+            param="response_format.json_schema",
+        )
+    schema = msgspec.json.encode(fmt.json_schema.schema_).decode()
+    return Structured(kind="json_schema", schema=schema)
+
+
+def _parser(setting: str, model: ModelInfo) -> str:
+    if setting == "auto":
+        return detect_format(model.chat_template)
+    if setting not in TOOL_PARSERS:
+        raise ValueError(f"LASTEVENT_TOOL_PARSER is {setting!r}; one of auto, {TOOL_PARSERS}")
+    return setting
+
+
+def _as_text(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> list[dict[str, Any]]:
+    """For a template that knows neither tools nor calls: the tools in the system message,
+    an assistant's calls and the tools' answers as Hermes-style text."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        m = dict(m)
+        calls = m.pop("tool_calls", None)
+        if calls:
+            text = "".join(
+                "<tool_call>\n"
+                + msgspec.json.encode(
+                    {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                ).decode()
+                + "\n</tool_call>"
+                for c in calls
+            )
+            m["content"] = (m["content"] + "\n" if m["content"] else "") + text
+        if m["role"] == "tool":
+            m = {"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+        m.pop("tool_call_id", None)
+        out.append(m)
+    if tools:
+        prompt = tool_system_prompt(tools)
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
