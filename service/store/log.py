@@ -232,7 +232,7 @@ class RedisLog:
         if entries and isinstance(entries[0][1], ev.Created):
             first = (entries[0][0], entries[0][1])
             prompt_tokens = first[1].prompt_tokens
-        completion = max((e.n for _, e in entries if isinstance(e, ev.Delta)), default=0)
+        completion = ev.completion_tokens(e for _, e in entries)
         meta = await self.meta(request_id)
         recovery = meta.recovery if meta is not None else Recovery()
         end = ev.End(
@@ -436,8 +436,9 @@ class AppendBatcher:
     ) -> list[tuple[Append, Owner, float, asyncio.Future[list[EventId]]]]:
         """Send ``batch``; returns what must be sent again (Redis unreachable)."""
         batch = [entry for entry in batch if not entry[3].done()]  # callers that gave up
+        items = _merged([(item, owner) for item, owner, *_ in batch])
         try:
-            results = await self._log.append_many([item for item, *_ in batch])
+            merged = await self._log.append_many([item for item, _ in items])
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             now = time.time()
             retry = []
@@ -453,10 +454,52 @@ class AppendBatcher:
             return []
         self.round_trips += 1
         self.appends += len(batch)
-        for (item, owner, _, future), result in zip(batch, results, strict=True):
+        results = _split([(item, owner) for item, owner, *_ in batch], items, merged)
+        for (*_, future), result in zip(batch, results, strict=True):
             if isinstance(result, LogError):
                 future.set_exception(result)
             else:
-                owner.events += len(item.events)
                 future.set_result(result)
+        for (_, owner), result in zip(items, merged, strict=True):
+            if not isinstance(result, LogError):
+                owner.events += len(result)
         return []
+
+
+def _merged(batch: list[tuple[Append, Owner]]) -> list[tuple[Append, Owner]]:
+    """One append per owner: a request's appends in one flush (its choices' steps) are
+    one script item, at the owner's position when the flush is sent (another choice's
+    append may have been in flight when this one was made), so that a flush sent again
+    after a lost reply is recognised as written. A terminal append is the owner's last."""
+    out: dict[int, tuple[Append, Owner]] = {}
+    for item, owner in batch:
+        prev = out.get(id(owner))
+        if prev is None:  # the position now: earlier flushes have moved it
+            out[id(owner)] = (dataclasses.replace(item, expect=owner.events), owner)
+            continue
+        first = prev[0]
+        out[id(owner)] = (
+            dataclasses.replace(item, events=[*first.events, *item.events], expect=first.expect),
+            owner,
+        )
+    return list(out.values())
+
+
+def _split(
+    batch: list[tuple[Append, Owner]],
+    items: list[tuple[Append, Owner]],
+    results: Sequence[list[EventId] | LogError],
+) -> list[list[EventId] | LogError]:
+    """Each append of ``batch``'s share of its owner's merged result, in batch order."""
+    by_owner = {id(owner): result for (_, owner), result in zip(items, results, strict=True)}
+    taken: dict[int, int] = {}
+    out: list[list[EventId] | LogError] = []
+    for item, owner in batch:
+        result = by_owner[id(owner)]
+        if isinstance(result, LogError):
+            out.append(result)
+            continue
+        start = taken.get(id(owner), 0)
+        taken[id(owner)] = start + len(item.events)
+        out.append(result[start : start + len(item.events)])
+    return out

@@ -10,6 +10,7 @@ in ``lifecycle.py``.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -85,6 +86,17 @@ class End(_Event, tag="e"):
 
 
 Event = Created | Delta | Error | End
+
+
+def completion_tokens(events: Iterable[Event]) -> int:
+    """The completion tokens ``events`` (a log, or a part of one) reach: each choice's
+    last count, summed."""
+    last: dict[int, int] = {}
+    for e in events:
+        if isinstance(e, Delta):
+            last[e.index] = max(last.get(e.index, 0), e.n)
+    return sum(last.values())
+
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Event)
