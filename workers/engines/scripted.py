@@ -8,15 +8,28 @@ with the model's own tokenizer and produced one token per step at
 ids, split characters and all. Fault injection: ``fail_after`` raises an engine
 error after that many tokens, ``crash_after`` raises something that is not an
 engine error (a bug), ``stall_after`` stops producing (for deadlines).
+
+It is a test double, not a model: the sampling fields that shape a model's choice
+(temperature, top_p, top_k, min_p, seed, the penalties, logit_bias, ``structured``)
+do not change its script -- a test that wants JSON scripts JSON. It honours those
+that decide *which ids and how many*: ``stop_token_ids`` (a script id among them
+ends the request, ``stop``); ``ignore_eos`` (after the script's EOS the script
+starts again, until ``max_tokens``); ``min_tokens`` (EOS and stop ids are skipped
+before that many, as a model's are masked, and a script that ends sooner starts
+again until then, then EOS). ``logprobs`` are synthetic but deterministic: the id
+at completion position ``p`` has ``-0.01 * (p % 7 + 1)``, and its ``k``
+alternatives are that id then ``id + 1``, ``id + 2``, ... one nat less each.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 
+from service.stream.logprobs import Sampled
 from service.stream.params import SamplingParams
 from service.tokenize import ModelInfo
 from workers.engines.base import EngineError, StepOutput
@@ -42,6 +55,8 @@ class ScriptedEngine:
         self._model = model
         self._interval_s = 1.0 / tokens_per_s if tokens_per_s > 0 else 0.0
         self._fixed = None if text is None else model.encode(text)
+        self._filler = model.encode(".")  # repeated for min_tokens when the script is empty
+        self._vocab = model.tokenizer.get_vocab_size(with_added_tokens=True)
         self._fail_after = fail_after
         self._stall_after = stall_after
         self._crash_after = crash_after
@@ -76,17 +91,17 @@ class ScriptedEngine:
         generated: Sequence[int] = (),
     ) -> AsyncGenerator[StepOutput, None]:
         script = self.script_for(prompt_token_ids)
-        eos = self._model.eos_token_ids[:1]
         self.running.add(request_id)
         self._abort_events[request_id] = aborted = asyncio.Event()
         try:
             if self._prefill_s > 0:  # a long prefill that an abort interrupts
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(aborted.wait(), self._prefill_s)
-            answer = [*script, *eos]
-            if list(generated) != answer[: len(generated)]:
+            answer = self._answer(script, params)
+            made = list(itertools.islice(answer, len(generated)))
+            if list(generated) != made:
                 raise EngineError("the generated ids are not this script's", "invalid_request")
-            steps = self._steps(request_id, answer, len(generated), params.max_tokens)
+            steps = self._steps(request_id, answer, len(generated), params)
             async for out in steps:
                 yield out
         finally:
@@ -95,16 +110,44 @@ class ScriptedEngine:
             self._abort_events.pop(request_id, None)
             self._sleeps.pop(request_id, None)
 
+    def _answer(self, script: list[int], params: SamplingParams) -> Iterator[int]:
+        """The ids of the whole answer, lazily (``ignore_eos`` makes it endless): it ends
+        after an id that ends the request, or at the EOS once the script is done."""
+        eos = self._model.eos_token_ids[:1]
+        masked = {*self._model.eos_token_ids, *params.stop_token_ids}  # before min_tokens
+        ends = {*params.stop_token_ids, *(() if params.ignore_eos else eos)}
+        body = script or self._filler
+        if params.min_tokens and all(t in masked for t in body):
+            body = self._filler  # nothing left to say once they are skipped
+        unit = [*body, *eos] if params.ignore_eos else body
+        made = 0
+        for position in itertools.count():
+            if not params.ignore_eos and position >= len(script) and made >= params.min_tokens:
+                yield from eos  # the script is done
+                return
+            token = unit[position % len(unit)]
+            if token in masked and made < params.min_tokens:
+                continue
+            yield token
+            made += 1
+            if token in ends:
+                return
+
+    def _logprob(self, token_id: int, position: int, k: int) -> Sampled:
+        logprob = -0.01 * (position % 7 + 1)
+        top = tuple(((token_id + i) % self._vocab, logprob - i) for i in range(k))
+        return Sampled(logprob, top)
+
     async def _steps(
-        self, request_id: str, answer: list[int], produced: int, max_tokens: int
+        self, request_id: str, answer: Iterator[int], produced: int, params: SamplingParams
     ) -> AsyncGenerator[StepOutput, None]:
-        """``answer[produced:]``, paced; ``produced`` ids were made before (a takeover)."""
-        stop_ids = frozenset(self._model.eos_token_ids)
+        """The rest of ``answer``, paced; ``produced`` ids were made before (a takeover)."""
+        ends = {*params.stop_token_ids, *(() if params.ignore_eos else self._model.eos_token_ids)}
         next_at = time.monotonic()
-        if produced >= max_tokens:
+        if produced >= params.max_tokens:
             yield StepOutput([], finished=True, finish_reason="length")
             return
-        for token_id in answer[produced:]:
+        for token_id in answer:
             if request_id in self._aborted:
                 yield StepOutput([], finished=True, finish_reason="abort")
                 return
@@ -123,14 +166,16 @@ class ScriptedEngine:
                 if request_id in self._aborted:  # the abort lands now, not after the step
                     yield StepOutput([], finished=True, finish_reason="abort")
                     return
+            k = params.logprobs
+            logprobs = None if k is None else [self._logprob(token_id, produced, k)]
             produced += 1
-            if token_id in stop_ids:  # the script's own EOS, or one inside the echoed text
-                yield StepOutput([token_id], finished=True, finish_reason="stop")
+            # the script's own EOS, one inside the echoed text, or a stop id
+            if token_id in ends or produced >= params.max_tokens:
+                reason = "stop" if token_id in ends else "length"
+                yield StepOutput([token_id], finished=True, finish_reason=reason, logprobs=logprobs)
                 return
-            if produced >= max_tokens:
-                yield StepOutput([token_id], finished=True, finish_reason="length")
-                return
-            yield StepOutput([token_id])
+            yield StepOutput([token_id], logprobs=logprobs)
+        yield StepOutput([], finished=True, finish_reason="stop")  # a model without EOS
 
     async def _sleep(self, request_id: str, delay: float) -> None:
         """``asyncio.sleep`` that ``abort`` wakes early (a future, not a task per step)."""
