@@ -115,3 +115,103 @@ def test_two_concurrent_streams_interleave(stack: Stack) -> None:
     inside_a = [e for e in b if a[0].ms <= e.ms <= a[-1].ms]
     inside_b = [e for e in a if b[0].ms <= e.ms <= b[-1].ms]
     assert len(inside_a) > len(b) // 2 or len(inside_b) > len(a) // 2, (a, b)
+
+
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+    "required": ["city", "country"],
+    "additionalProperties": False,
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_json_schema_output_validates(stack: Stack) -> None:
+    """vLLM's structured outputs, through the API: the answer is JSON of the schema."""
+    import jsonschema
+    from openai import OpenAI
+
+    sdk = OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    resp = sdk.chat.completions.create(
+        model=stack.model,
+        messages=[{"role": "user", "content": "Name a city and its country."}],
+        temperature=0,
+        max_tokens=60,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "place", "schema": CITY_SCHEMA},
+        },
+    )
+    assert resp.choices[0].finish_reason == "stop", resp
+    jsonschema.validate(json.loads(resp.choices[0].message.content or ""), CITY_SCHEMA)
+
+
+def test_named_tool_choice_arguments_validate(stack: Stack) -> None:
+    """A named tool_choice constrains the output to the function's parameters; the
+    stream's tool_calls pieces join to arguments that validate."""
+    import jsonschema
+    from openai import OpenAI
+
+    sdk = OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    stream = sdk.chat.completions.create(
+        model=stack.model,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        temperature=0,
+        max_tokens=60,
+        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        stream=True,
+    )
+    name, args, finishes, content = None, "", [], ""
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for tc in choice.delta.tool_calls or []:
+            assert tc.index == 0
+            if tc.function and tc.function.name:
+                name = tc.function.name
+            if tc.function and tc.function.arguments:
+                args += tc.function.arguments
+        if choice.finish_reason:
+            finishes.append(choice.finish_reason)
+    assert content == ""
+    assert name == "get_weather"
+    assert finishes == ["tool_calls"]
+    jsonschema.validate(json.loads(args), WEATHER_TOOL["function"]["parameters"])  # type: ignore[index]
+
+
+def test_logprobs_from_vllm(stack: Stack) -> None:
+    from openai import OpenAI
+
+    sdk = OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    resp = sdk.chat.completions.create(
+        model=stack.model,
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=0,
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    lp = resp.choices[0].logprobs
+    assert lp is not None and lp.content
+    for item in lp.content:
+        assert len(item.top_logprobs) == 3
+        assert item.logprob <= 0.0
+        # greedy: the sampled token is the most likely one
+        assert item.top_logprobs[0].token == item.token
+    text = b"".join(bytes(t.bytes or []) for t in lp.content).decode("utf-8", "replace")
+    assert text == resp.choices[0].message.content
