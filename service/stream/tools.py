@@ -20,13 +20,17 @@ Choices where the formats leave room:
   content. A block that is not a call (not a JSON object with a string ``"name"``) is
   content, raw and markers included, once ``</tool_call>`` (or the end) shows it;
   a block that broke after its call started ends that call, the rest of the block is
-  dropped. A closed call object without arguments gets ``"{}"``.
+  dropped.
 - llama3_json: calls only if the output starts (after whitespace) with ``{`` or
   ``<|python_tag|>``; when its first object proves no call, the whole output is content;
-  text after the calls (other than ``;`` and the next object) is dropped.
-- ``parallel`` False: the parser is ``done`` once the first call's object closes;
-  what follows is dropped, not shown. A call cut by the end of the output (max_tokens)
-  ends with the arguments text that came.
+  text after the calls (other than ``;`` and the next object) is dropped (``done``).
+- named: the call's first piece comes with the first non-whitespace character (or at
+  ``finish``, empty, when none came). required: an element without a name is skipped;
+  anything constrained decoding cannot give ends the parse.
+- Every format: a closed call object without arguments gets ``"{}"``; a call cut by
+  the end of the output (max_tokens) ends with the arguments text that came.
+  ``parallel`` False: the parser is ``done`` once the first call's object closes (before
+  ``</tool_call>``); what follows is dropped, not shown.
 """
 
 from __future__ import annotations
