@@ -72,6 +72,21 @@ bench-takeover: $(STAMP)  ## the pause a stream sees when its worker is killed (
 bench-vllm: $(VLLM_STAMP)  ## TTFT / ITL: vLLM's own OpenAI server vs lastevent + vLLM worker
 	$(VLLM_BIN)/python -m bench.vllm_compare $(BENCH_ARGS)
 
+GUIDELLM_VENV ?= .venv-guidellm
+GUIDELLM_BIN := $(GUIDELLM_VENV)/bin
+GUIDELLM_STAMP := $(GUIDELLM_VENV)/.installed
+
+$(GUIDELLM_STAMP):
+	$(PYTHON) -m venv $(GUIDELLM_VENV)
+	$(GUIDELLM_BIN)/pip install --quiet --upgrade pip
+	# guidellm requires torch (unpinned): the CPU build first, or pip pulls a CUDA one
+	$(GUIDELLM_BIN)/pip install --quiet torch==2.13.0
+	$(GUIDELLM_BIN)/pip install --quiet guidellm==0.8.1
+	touch $(GUIDELLM_STAMP)
+
+bench-guidellm: $(VLLM_STAMP) $(GUIDELLM_STAMP)  ## GuideLLM, unmodified: vLLM's own server vs lastevent + vLLM worker (own venv)
+	$(VLLM_BIN)/python -m bench.guidellm --guidellm $(GUIDELLM_BIN)/guidellm $(BENCH_ARGS)
+
 test-fast: $(STAMP)  ## the unit tests: pure protocol and layout, no servers, no torch (seconds)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
@@ -83,4 +98,4 @@ lint: $(STAMP)  ## the static gates CI runs first: ruff, ruff format, mypy stric
 clean:  ## remove the virtualenv and caches (not the data dir)
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis .cache
 
-.PHONY: help install run test test-chaos test-clients test-vllm bench bench-takeover bench-vllm test-fast lint clean
+.PHONY: help install run test test-chaos test-clients test-vllm bench bench-takeover bench-vllm bench-guidellm test-fast lint clean
