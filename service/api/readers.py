@@ -68,6 +68,7 @@ async def sse_frames(
             raise
     lease.adopted = True
     READERS.inc()
+    sent: dict[int, int] = {}  # per choice: the completion tokens its deltas reached
     try:
         yield sse.retry_line(ctx.settings.reconnect_hint_ms)  # how soon to come back
         while True:
@@ -85,10 +86,11 @@ async def sse_frames(
                 raise batch
             if sub.queue.qsize() >= ctx.settings.coalesce_backlog:
                 batch = _catch_up(sub, batch)
-            out, delivered, ended = _frames(renderer, batch, cursor, lease.delivered)
+            out, reached, ended = _frames(renderer, batch, cursor, sent)
             if out:
                 yield out
-            lease.delivered = delivered  # the send completed: it reached the connection
+            sent = reached  # the send completed: it reached the connection
+            lease.delivered = max(lease.delivered, sum(sent.values()))
             if ended:
                 return
     finally:
@@ -124,18 +126,19 @@ def _catch_up(sub: Subscription, batch: Batch) -> Batch:
 
 
 def _frames(
-    renderer: ChunkRenderer, batch: Batch, cursor: Cursor | None, delivered: int
-) -> tuple[bytes, int, bool]:
-    """The batch's SSE bytes, the completion tokens they bring the reader to, and whether
-    the terminal event is among them (nothing after it is sent)."""
+    renderer: ChunkRenderer, batch: Batch, cursor: Cursor | None, sent: dict[int, int]
+) -> tuple[bytes, dict[int, int], bool]:
+    """The batch's SSE bytes, the completion tokens (per choice) they bring the reader
+    to, and whether the terminal event is among them (nothing after it is sent)."""
     out: list[bytes] = []
+    reached = dict(sent)
     for eid, event in batch:
         if isinstance(event, Delta):
-            delivered = max(delivered, event.n)
+            reached[event.index] = max(reached.get(event.index, 0), event.n)
         out.extend(sse_event_frames(renderer, eid, event, cursor))
         if isinstance(event, End):
-            return b"".join(out), delivered, True
-    return b"".join(out), delivered, False
+            return b"".join(out), reached, True
+    return b"".join(out), reached, False
 
 
 LOG_LOST = Error(

@@ -9,12 +9,17 @@ The dead worker's ids that never reached a logged delta are made again by the ne
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from hypothesis import given
 from hypothesis import strategies as st
 
 from service.stream.assemble import Assembler, ResumeMismatch
 from service.stream.events import Delta, End, Event
 from service.stream.lifecycle import State
+from service.stream.logprobs import Sampled, TokenText
+from service.stream.tools import ToolFormat, parser_for
 from service.tokenize import ModelInfo
 from tests.unit.test_assemble import PROPS, run, split, texts
 
@@ -126,3 +131,92 @@ def test_a_log_from_another_tokenizer_is_refused(tiny_model: ModelInfo) -> None:
     except ResumeMismatch:
         return
     raise AssertionError("a log whose ids do not make its text was continued")
+
+
+def _tool_output(pieces: list[Event]) -> tuple[str, dict[int, list[str | None]]]:
+    """A choice's content and its calls (id, name, arguments), from its deltas."""
+    content, calls = "", {}
+    for d in pieces:
+        if not isinstance(d, Delta):
+            continue
+        content += d.text
+        for p in d.tools or ():
+            call = calls.setdefault(p.call, [p.id, p.name, ""])
+            call[2] = (call[2] or "") + p.arguments
+    return content, calls
+
+
+def _hermes(k: int) -> str:
+    args = {"city": "Zürich 東京 🤖", "n": k, "tags": ["a}", '"b\\']}
+    return (
+        "<tool_call>\n"
+        + json.dumps({"name": f"f{k}", "arguments": args}, ensure_ascii=False)
+        + "\n</tool_call>"
+    )
+
+
+TOOL_TEXTS = st.builds(
+    lambda before, calls, after: before + "".join(_hermes(k) for k in range(calls)) + after,
+    st.sampled_from(["", "Sure. ", "<tool", "a < b "]),
+    st.integers(0, 2),
+    st.sampled_from(["", "\n", " done"]),
+)
+
+
+@PROPS
+@given(
+    text=TOOL_TEXTS,
+    cuts=st.lists(st.integers(0, 200), max_size=12),
+    dies_after=st.integers(0, 60),
+    logprobs=st.booleans(),
+)
+def test_a_continuation_with_tool_calls_equals_an_uninterrupted_run(
+    tiny_model: ModelInfo, text: str, cuts: list[int], dies_after: int, logprobs: bool
+) -> None:
+    """The cut may fall inside the held marker, inside a call's name, inside an argument
+    string: the calls (ids included: they come from the request id) and the content of
+    the continued choice are those of one uninterrupted assembler, and so is the count."""
+    ids = tiny_model.encode(text)
+    fmt = ToolFormat("hermes")
+    text_of = TokenText(tiny_model.tokenizer)
+
+    def assembler(logged: list[Delta] | None = None) -> tuple[Assembler, list[Event], bool]:
+        kw: dict[str, Any] = {
+            "prompt_tokens": 1,
+            "stop_token_ids": tiny_model.eos_token_ids,
+            "tools": parser_for(fmt, lambda k: f"call_{k}"),  # ids the request id makes
+            "token_text": text_of if logprobs else None,
+        }
+        if logged is None:
+            return Assembler(tiny_model.tokenizer, **kw), [], False
+        asm, now = Assembler.resume(tiny_model.tokenizer, logged, **kw)
+        return asm, list(now.events), now.stopped
+
+    def feed(asm: Assembler, steps: list[list[int]], out: list[Event]) -> None:
+        for step in steps:
+            sampled = [Sampled(-0.5, ((t, -0.5),)) for t in step] if logprobs else None
+            res = asm.step(step, sampled)
+            out += res.events
+            if res.stopped:
+                return
+
+    whole, expected, _ = assembler()
+    feed(whole, split(ids, cuts), expected)
+    expected += whole.finish(State.FINISHED, "stop")
+    first, logged_events, _ = assembler()
+    feed(first, split(ids, cuts)[:dies_after], logged_events)
+    logged = [e for e in logged_events if isinstance(e, Delta)]
+    consumed = sum(len(d.token_ids) for d in logged)
+    asm, out, stopped = assembler(logged)
+    if not stopped:
+        feed(asm, split(ids[consumed:], cuts), out)
+    out += asm.finish(State.FINISHED, "stop")
+    assert _tool_output([*logged, *out]) == _tool_output(expected)
+    end, whole_end = out[-1], expected[-1]
+    assert isinstance(end, End) and isinstance(whole_end, End)
+    assert end.finish_reason == whole_end.finish_reason
+    assert end.completion_tokens == whole_end.completion_tokens
+    if logprobs:  # one per id that reached a delta (the log's own are kept, not redone)
+        got = [lp.token for d in [*logged, *out] if isinstance(d, Delta) for lp in d.logprobs or []]
+        shown_ids = [t for d in [*logged, *out] if isinstance(d, Delta) for t in d.token_ids]
+        assert got == [text_of(t)[0] for t in shown_ids]
