@@ -36,6 +36,7 @@ from bench.common import free_port
 from bench.vllm_compare import MODEL, lastevent_stack, vllm_server
 
 REPO = Path(__file__).resolve().parents[1]
+SYSTEMS = ["vllm", "lastevent"]
 _HOP = {b"host", b"content-length", b"transfer-encoding", b"connection", b"keep-alive"}
 
 
@@ -187,6 +188,7 @@ def metrics(report: Path) -> dict[str, float]:
         "request latency median (s)": median("request_latency"),
         "requests/s (mean)": mean("requests_per_second"),
         "output tokens/s (mean)": mean("output_tokens_per_second"),
+        "output tokens per request (mean)": mean("output_token_count"),
         "successful requests": float(bench["scheduler_metrics"]["requests_made"]["successful"]),
         "errored requests": float(bench["scheduler_metrics"]["requests_made"]["errored"]),
     }
@@ -194,7 +196,7 @@ def metrics(report: Path) -> dict[str, float]:
 
 def one_system(
     name: str, url: str, args: argparse.Namespace, out: Path
-) -> tuple[dict[str, float], dict[str, Any], list[str]]:
+) -> tuple[dict[str, float], dict[str, Any]]:
     with recording(url) as (proxy, recorder):
         probe = guidellm_command(
             args.guidellm, proxy, args.model_dir, out / f"{name}-recorded.json", args, 3
@@ -206,7 +208,7 @@ def one_system(
     )
     print(f"{name}: {shlex.join(cmd)}", flush=True)
     run_guidellm(cmd, out / f"{name}.log")
-    return metrics(out / f"{name}.json"), fields(recorder.seen), cmd
+    return metrics(out / f"{name}.json"), fields(recorder.seen)
 
 
 def table(results: dict[str, dict[str, float]]) -> str:
@@ -217,7 +219,7 @@ def table(results: dict[str, dict[str, float]]) -> str:
     for key, v in results["vllm"].items():
         le = results["lastevent"][key]
         ratio = f"{le / v:.2f}" if v else "-"
-        rows.append(f"| {key} | {v:.1f} | {le:.1f} | {ratio} |")
+        rows.append(f"| {key} | {v:.4g} | {le:.4g} | {ratio} |")
     return "\n".join(rows)
 
 
@@ -233,6 +235,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=30)
     parser.add_argument("--max-seconds", type=int, default=180)
     parser.add_argument("--rate", type=float, help="constant requests/s (default: synchronous)")
+    parser.add_argument("--systems", nargs="+", choices=["vllm", "lastevent"], default=SYSTEMS)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-guidellm-"))
@@ -242,10 +245,12 @@ def main() -> None:
     redis_url = os.environ.get("LASTEVENT_REDIS_URL", "redis://127.0.0.1:6379/0")
     results: dict[str, dict[str, float]] = {}
     seen: dict[str, dict[str, Any]] = {}
-    with vllm_server(args.model_dir, out / "vllm-server.log") as url:
-        results["vllm"], seen["vllm"], _ = one_system("vllm", url, args, out)
-    with lastevent_stack(args.model_dir, redis_url, out) as url:
-        results["lastevent"], seen["lastevent"], _ = one_system("lastevent", url, args, out)
+    if "vllm" in args.systems:
+        with vllm_server(args.model_dir, out / "vllm-server.log") as url:
+            results["vllm"], seen["vllm"] = one_system("vllm", url, args, out)
+    if "lastevent" in args.systems:
+        with lastevent_stack(args.model_dir, redis_url, out) as url:
+            results["lastevent"], seen["lastevent"] = one_system("lastevent", url, args, out)
     print()
     for name, routes in seen.items():
         print(f"{name}: what GuideLLM sent (recorded run)")
@@ -254,7 +259,7 @@ def main() -> None:
             for error in sorted(what.get("errors", ())):
                 print(f"    error: {error}")
     print()
-    print(table(results))
+    print(table(results) if len(results) == 2 else json.dumps(results, indent=1))
     print(f"\nreports and logs in {out}")
 
 
