@@ -19,16 +19,19 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import math
 import secrets
 import threading
 from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from service.stream.params import SamplingParams
+from service.stream.logprobs import Sampled
+from service.stream.params import SamplingParams, Structured
 from workers.engines.base import EngineError, StepOutput
 
 _ABORTED = StepOutput([], finished=True, finish_reason="abort")
+_ANY_OBJECT = '{"type": "object"}'  # json_object, as vLLM's xgrammar backend compiles it
 _REMEMBERED_EARLY_ABORTS = 1024
 
 
@@ -60,6 +63,8 @@ class CpuEngine:
         self._cache_kw = "past_key_values"
         self._extra_kwargs: dict[str, Any] = {}
         self._max_len = 0
+        self._vocab = 0  # the width of the model's logits (may exceed the tokenizer's)
+        self._compiler: Any = None  # xgrammar's, built on the first structured request
         self._active: dict[str, _Request] = {}
         # abort() may beat the first __anext__ of generate(); remember a bounded few.
         self._early_aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -106,6 +111,7 @@ class CpuEngine:
         # Only the last position's logits are used; skip the rest of the prefill's.
         self._extra_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self._max_len = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+        self._vocab = int(model.get_output_embeddings().out_features)
         self._model = model
 
     # -- requests --------------------------------------------------------------------
@@ -178,40 +184,48 @@ class CpuEngine:
         import torch
 
         params = request.params
-        self._validate(request.prompt_token_ids, params)
-        if any(not 0 <= t < int(self._model.config.vocab_size) for t in request.generated):
-            raise EngineError("generated token ids must be in the vocabulary", "invalid_request")
+        self._validate(request.prompt_token_ids, request.generated, params)
         prompt = request.prompt_token_ids + request.generated
         left = params.max_tokens - len(request.generated)
         budget = min(left, self._max_len - len(prompt)) if self._max_len else left
         if budget <= 0:
             request.emit(StepOutput([], finished=True, finish_reason="length"))
             return
-        generator = torch.Generator().manual_seed(
-            params.seed if params.seed is not None else secrets.randbits(63)
+        # masked before min_tokens, and what a finished grammar allows (as vLLM's stop ids)
+        stops = self.eos_token_ids | frozenset(params.stop_token_ids)
+        ends = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else self.eos_token_ids
         )
-        stop_ids = self.eos_token_ids
         with torch.inference_mode():
+            matcher = self._matcher(params.structured, stops)
+            sampler = _Sampler(params, prompt, request.generated, self._vocab, stops, matcher)
             logits, cache = self._forward(torch.tensor([prompt], dtype=torch.long), None)
             for produced in range(1, budget + 1):
                 if request.stop.is_set():
                     return
-                token = _sample(logits, params.temperature, params.top_p, generator)
-                if token in stop_ids:
-                    request.emit(StepOutput([token], finished=True, finish_reason="stop"))
+                token, sampled = sampler.next(logits)
+                logprobs = None if sampled is None else [sampled]
+                if token in ends or produced == budget:
+                    reason = "stop" if token in ends else "length"
+                    request.emit(
+                        StepOutput([token], finished=True, finish_reason=reason, logprobs=logprobs)
+                    )
                     return
-                if produced == budget:
-                    request.emit(StepOutput([token], finished=True, finish_reason="length"))
-                    return
-                request.emit(StepOutput([token]))
+                request.emit(StepOutput([token], logprobs=logprobs))
                 logits, cache = self._forward(torch.tensor([[token]], dtype=torch.long), cache)
 
-    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
-        vocab = int(self._model.config.vocab_size)
+    def _validate(self, prompt: list[int], generated: list[int], params: SamplingParams) -> None:
+        vocab = self._vocab
         if not prompt:
             raise EngineError("the prompt has no tokens", "invalid_request")
-        if any(not 0 <= t < vocab for t in prompt):
-            raise EngineError(f"prompt token ids must be in [0, {vocab})", "invalid_request")
+        for what, ids in (
+            ("prompt token ids", prompt),
+            ("generated token ids", generated),
+            ("logit_bias token ids", params.logit_bias or ()),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            if any(not 0 <= t < vocab for t in ids):
+                raise EngineError(f"{what} must be in [0, {vocab})", "invalid_request")
         if self._max_len and len(prompt) >= self._max_len:
             raise EngineError(
                 f"the prompt has {len(prompt)} tokens; the model's context is {self._max_len}",
@@ -219,6 +233,32 @@ class CpuEngine:
             )
         if params.temperature < 0 or not 0 < params.top_p <= 1:
             raise EngineError("temperature must be >= 0 and top_p in (0, 1]", "invalid_request")
+
+    def _matcher(self, structured: Structured | None, stops: frozenset[int]) -> Any:
+        """An xgrammar matcher for ``structured`` (None without), compiled as vLLM's
+        xgrammar backend does: a schema, or ``{"type": "object"}`` for ``json_object``."""
+        if structured is None:
+            return None
+        import xgrammar
+
+        if structured.kind == "json_object":
+            schema = _ANY_OBJECT
+        elif structured.kind == "json_schema" and structured.schema is not None:
+            schema = structured.schema
+        else:
+            raise EngineError(f"unknown structured output {structured.kind!r}", "invalid_request")
+        if self._compiler is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+            # the model's logits may be wider than the tokenizer: xgrammar masks the rest
+            info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._vocab)
+            self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=True)
+        try:
+            compiled = self._compiler.compile_json_schema(schema)
+        except Exception as exc:  # a schema xgrammar cannot read
+            raise EngineError(f"invalid JSON schema: {exc}", "invalid_request") from exc
+        return xgrammar.GrammarMatcher(compiled, override_stop_tokens=sorted(stops))
 
     def _forward(self, input_ids: Any, cache: Any) -> tuple[Any, Any]:
         """One model step; returns the last position's logits (float32) and the new cache."""
@@ -241,18 +281,127 @@ def _emitter(
     return emit
 
 
-def _sample(logits: Any, temperature: float, top_p: float, generator: Any) -> int:
-    """Greedy at temperature 0, else nucleus sampling with the request's own generator."""
-    import torch
+class _Sampler:
+    """One request's logits, step by step, in vLLM's sampler order: the grammar's mask;
+    the logprobs (log-softmax of what the model gave, that mask aside, as vLLM's raw
+    logprobs); min_tokens; logit_bias; the penalties (repetition over prompt + output,
+    frequency and presence over the output); then greedy, or temperature, min_p, top_k,
+    top_p and a draw from the request's own generator.
 
-    if temperature == 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        keep = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) < top_p
-        sorted_probs = sorted_probs * keep
-        choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
-        return int(order[choice])
-    return int(torch.multinomial(probs, 1, generator=generator))
+    ``context`` is the prompt and ``generated`` the ids a takeover was handed (already
+    at its end): they are counted and replayed through the grammar as if made here."""
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        context: list[int],
+        generated: Sequence[int],
+        vocab: int,
+        stops: frozenset[int],
+        matcher: Any,
+    ) -> None:
+        import torch
+
+        self.params = p = params
+        self.produced = 0
+        seed = p.seed if p.seed is not None else secrets.randbits(63)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.stop_index = torch.tensor(sorted(stops), dtype=torch.long) if p.min_tokens else None
+        self.bias = None
+        if p.logit_bias:
+            self.bias = torch.zeros(vocab)
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+            self.bias[ids] = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32)
+        self.seen = None  # repetition_penalty's ids: the prompt's and the output's
+        if p.repetition_penalty != 1.0:
+            self.seen = torch.zeros(vocab, dtype=torch.bool)
+            self.seen[torch.tensor(context, dtype=torch.long)] = True
+        self.counts = torch.zeros(vocab) if p.presence_penalty or p.frequency_penalty else None
+        self.matcher = matcher
+        self.bitmask = None
+        if matcher is not None:
+            import xgrammar
+
+            self.bitmask = xgrammar.allocate_token_bitmask(1, vocab)
+        for token in generated:
+            if not self._observe(token):
+                raise EngineError(
+                    "the generated ids do not follow the requested structure", "invalid_request"
+                )
+
+    def next(self, logits: Any) -> tuple[int, Sampled | None]:
+        """The next id and, when asked, its logprob and the best alternatives'."""
+        import torch
+
+        if self.matcher is not None and not self.matcher.is_terminated():
+            import xgrammar
+
+            self.matcher.fill_next_token_bitmask(self.bitmask)
+            xgrammar.apply_token_bitmask_inplace(logits, self.bitmask)
+        raw = None if self.params.logprobs is None else torch.log_softmax(logits, dim=-1)
+        token = self._draw(self._adjust(logits))
+        self._observe(token)
+        if raw is None:
+            return token, None
+        top = torch.topk(raw, self.params.logprobs) if self.params.logprobs else None
+        pairs = (
+            ()
+            if top is None
+            else tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+        )
+        return token, Sampled(float(raw[token]), pairs)
+
+    def _adjust(self, logits: Any) -> Any:
+        import torch
+
+        p = self.params
+        if self.stop_index is not None and self.produced < p.min_tokens:
+            logits[self.stop_index] = -math.inf
+        if self.bias is not None:
+            logits = logits + self.bias
+        if self.seen is not None:
+            rp = p.repetition_penalty
+            logits = torch.where(
+                self.seen, torch.where(logits > 0, logits / rp, logits * rp), logits
+            )
+        if self.counts is not None:
+            logits = logits - p.frequency_penalty * self.counts
+            logits = logits - p.presence_penalty * (self.counts > 0)
+        return logits
+
+    def _draw(self, logits: Any) -> int:
+        """Greedy at temperature 0, else a draw from what min_p, top_k and top_p keep."""
+        import torch
+
+        p = self.params
+        if p.temperature == 0:
+            return int(torch.argmax(logits))
+        logits = logits / p.temperature
+        if p.min_p > 0:
+            probs = torch.softmax(logits, dim=-1)
+            logits = logits.masked_fill(probs < p.min_p * probs.max(), -math.inf)
+        if 0 < p.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, -math.inf)
+        probs = torch.softmax(logits, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            keep = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) < p.top_p
+            sorted_probs = sorted_probs * keep
+            choice = torch.multinomial(
+                sorted_probs / sorted_probs.sum(), 1, generator=self.generator
+            )
+            return int(order[choice])
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def _observe(self, token: int) -> bool:
+        """Count ``token`` as produced; False if the grammar (still open) rejects it."""
+        self.produced += 1
+        if self.seen is not None:
+            self.seen[token] = True
+        if self.counts is not None:
+            self.counts[token] += 1
+        if self.matcher is None or self.matcher.is_terminated():
+            return True  # as vLLM: the ids after a finished grammar are not constrained
+        return bool(self.matcher.accept_token(token))
