@@ -31,19 +31,30 @@ The cases:
   may run the second after the first);
 - a prompt the engine cannot run (out-of-vocabulary id, empty) raises
   ``EngineError``, and so does ``generate`` before ``start``; the engine serves the
-  next request afterwards.
+  next request afterwards;
+- the sampling fields: logprobs come only when asked, one per id, ``k`` alternatives
+  best first (greedy: the sampled id is the best; its logprob is its alternative's),
+  and asking for them changes no id; a ``stop_token_ids`` id ends the request
+  (``stop``, the last id); ``ignore_eos`` runs to ``max_tokens`` past the EOS (stop
+  ids still end it); ``min_tokens`` masks the EOS and stop ids before that many; a
+  large ``logit_bias`` decides a greedy answer; ``top_k=1`` or ``min_p=1`` sampling is
+  greedy; the penalties change a greedy answer; structured output is valid JSON (of
+  the schema); and a continuation under penalties or structured output is the rest
+  of the uninterrupted run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, ClassVar
 
 import pytest
 
-from service.stream.params import SamplingParams
+from service.stream.params import SamplingParams, Structured
 from service.tokenize import ModelInfo
 from workers.engines.base import Engine, EngineError, StepOutput
 
@@ -60,6 +71,23 @@ ABORT_AFTER = 3  # steps read before the abort
 ABORT_SLACK = 3  # steps allowed after the abort, the abort step included
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+# A question SmolLM2-135M-Instruct answers, under the schema, with a short JSON object
+# and EOS; and the schema (the scripted engine's script is not JSON: it skips those).
+JSON_QUESTION = "What is the capital of France? Answer in JSON with the key city."
+CITY_SCHEMA = json.dumps(
+    {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+)
+JSON_MAX_TOKENS = 48
+STRUCTURED = {
+    "json_schema": Structured(kind="json_schema", schema=CITY_SCHEMA),
+    "json_object": Structured(kind="json_object"),
+}
+PENALTIES = {
+    "presence_penalty": {"presence_penalty": 2.0},
+    "frequency_penalty": {"frequency_penalty": 2.0},
+    "repetition_penalty": {"repetition_penalty": 1.5},
+}
 
 
 def chat_ids(model: ModelInfo, question: str) -> list[int]:
@@ -331,3 +359,183 @@ class EngineContract:
     ) -> None:
         with pytest.raises(EngineError):
             await collect(contract_cold_engine, chat_ids(model, SHORT), GREEDY, "cold")
+
+    # -- sampling fields -------------------------------------------------------------
+
+    @staticmethod
+    async def _greedy_answer(engine: Engine, model: ModelInfo) -> tuple[list[int], list[int]]:
+        """The prompt of a short question and its greedy answer, EOS included."""
+        prompt = chat_ids(model, SHORT)
+        params = SamplingParams(max_tokens=EOS_WITHIN, temperature=0.0)
+        full = ids_of(await collect(engine, prompt, params, "answer"))
+        assert len(full) > 3 and full[-1] in model.eos_token_ids
+        assert not set(full[:-1]) & set(model.eos_token_ids)
+        return prompt, full
+
+    async def test_logprobs_are_absent_unless_asked(
+        self, contract_engine: Engine, model: ModelInfo
+    ) -> None:
+        steps = await collect(contract_engine, chat_ids(model, SHORT), GREEDY, "no-logprobs")
+        assert steps and all(step.logprobs is None for step in steps)
+
+    @pytest.mark.parametrize(("temperature", "k"), [(0.0, 0), (0.0, 3), (1.0, 2)])
+    async def test_logprobs_one_per_id_with_k_alternatives_best_first(
+        self, contract_engine: Engine, model: ModelInfo, temperature: float, k: int
+    ) -> None:
+        prompt = chat_ids(model, LONG)
+        plain = SamplingParams(max_tokens=8, temperature=temperature, seed=7)
+        asked = SamplingParams(max_tokens=8, temperature=temperature, seed=7, logprobs=k)
+        reference = await collect(contract_engine, prompt, plain, "plain")
+        steps = await collect(contract_engine, prompt, asked, "logprobs")
+        assert_well_formed(steps)
+        assert ids_of(steps) == ids_of(reference)  # asking for logprobs changes no id
+        for step in steps:
+            assert step.logprobs is not None and len(step.logprobs) == len(step.token_ids)
+            for token_id, sampled in zip(step.token_ids, step.logprobs, strict=True):
+                assert math.isfinite(sampled.logprob) and sampled.logprob <= 0
+                assert len(sampled.top) == k
+                assert len({t for t, _ in sampled.top}) == k  # k different ids
+                values = [lp for _, lp in sampled.top]
+                assert values == sorted(values, reverse=True)  # best first
+                assert all(math.isfinite(lp) and lp <= 0 for lp in values)
+                for alternative, logprob in sampled.top:
+                    if alternative == token_id:
+                        assert logprob == pytest.approx(sampled.logprob, abs=1e-4)
+                if k and temperature == 0:
+                    assert sampled.top[0][0] == token_id  # greedy: the best id is the one
+
+    async def test_stop_token_ids_end_with_stop_on_that_id(
+        self, contract_engine: Engine, model: ModelInfo
+    ) -> None:
+        prompt, full = await self._greedy_answer(contract_engine, model)
+        stop_id = full[2]
+        cut = full.index(stop_id) + 1
+        for ignore_eos in (False, True):  # ignore_eos ignores the EOS, not the stop ids
+            params = SamplingParams(
+                max_tokens=EOS_WITHIN,
+                temperature=0.0,
+                stop_token_ids=(stop_id,),
+                ignore_eos=ignore_eos,
+            )
+            steps = await collect(contract_engine, prompt, params, "stop-id")
+            assert_well_formed(steps)
+            assert ids_of(steps) == full[:cut] and steps[-1].finish_reason == "stop"
+
+    async def test_ignore_eos_runs_to_max_tokens_past_the_eos(
+        self, contract_engine: Engine, model: ModelInfo
+    ) -> None:
+        prompt, full = await self._greedy_answer(contract_engine, model)
+        params = SamplingParams(max_tokens=len(full) + 6, temperature=0.0, ignore_eos=True)
+        steps = await collect(contract_engine, prompt, params, "ignore-eos")
+        assert_well_formed(steps)
+        ids = ids_of(steps)
+        assert ids[: len(full)] == full  # the EOS came, and did not end it
+        assert len(ids) == len(full) + 6 and steps[-1].finish_reason == "length"
+
+    @pytest.mark.parametrize("masked", ["eos", "stop_id"])
+    async def test_min_tokens_masks_the_eos_and_stop_ids_before_that_many(
+        self, contract_engine: Engine, model: ModelInfo, masked: str
+    ) -> None:
+        prompt, full = await self._greedy_answer(contract_engine, model)
+        if masked == "eos":
+            ends, at, stop_ids = set(model.eos_token_ids), len(full) - 1, ()
+        else:
+            ends, at, stop_ids = {full[2]}, full.index(full[2]), (full[2],)
+        least = at + 4  # the answer would have ended at ``at``
+        params = SamplingParams(
+            max_tokens=least + 16, temperature=0.0, min_tokens=least, stop_token_ids=stop_ids
+        )
+        steps = await collect(contract_engine, prompt, params, "min-tokens")
+        assert_well_formed(steps)
+        ids = ids_of(steps)
+        assert ids[:at] == full[:at]  # the same answer up to the masked id
+        assert len(ids) >= least and not set(ids[:least]) & ends
+        assert not set(ids[:least]) & set(model.eos_token_ids)
+        if steps[-1].finish_reason == "stop":
+            assert ids[-1] in ends | set(model.eos_token_ids)
+
+    @pytest.mark.parametrize("bias", [100.0, -100.0])
+    async def test_logit_bias_decides_a_greedy_answer(
+        self, contract_engine: Engine, model: ModelInfo, bias: float
+    ) -> None:
+        prompt = chat_ids(model, SHORT)
+        plain = ids_of(await collect(contract_engine, prompt, GREEDY, "plain"))
+        target = model.encode(" lighthouse")[0] if bias > 0 else plain[0]
+        assert bias < 0 or target not in plain
+        params = SamplingParams(max_tokens=4, temperature=0.0, logit_bias={target: bias})
+        steps = await collect(contract_engine, prompt, params, "bias")
+        assert_well_formed(steps)
+        ids = ids_of(steps)
+        assert (ids[0] == target) if bias > 0 else (target not in ids)
+
+    @pytest.mark.parametrize("narrowed", ["top_k", "min_p"])
+    async def test_sampling_narrowed_to_the_best_id_is_greedy(
+        self, contract_engine: Engine, model: ModelInfo, narrowed: str
+    ) -> None:
+        prompt = chat_ids(model, LONG)
+        greedy = ids_of(await collect(contract_engine, prompt, GREEDY, "greedy"))
+        narrow: dict[str, Any] = {"top_k": {"top_k": 1}, "min_p": {"min_p": 1.0}}[narrowed]
+        params = SamplingParams(max_tokens=GREEDY.max_tokens, temperature=1.0, **narrow)
+        assert ids_of(await collect(contract_engine, prompt, params, narrowed)) == greedy
+
+    @pytest.mark.parametrize("penalty", list(PENALTIES))
+    async def test_a_penalty_changes_a_greedy_answer(
+        self, contract_engine: Engine, model: ModelInfo, penalty: str
+    ) -> None:
+        prompt = chat_ids(model, LONG)
+        plain = SamplingParams(max_tokens=24, temperature=0.0)
+        penalized = SamplingParams(max_tokens=24, temperature=0.0, **PENALTIES[penalty])
+        reference = ids_of(await collect(contract_engine, prompt, plain, "plain"))
+        assert ids_of(await collect(contract_engine, prompt, penalized, penalty)) != reference
+
+    @pytest.mark.parametrize("kind", list(STRUCTURED))
+    async def test_structured_output_is_valid_json(
+        self, contract_engine: Engine, model: ModelInfo, kind: str
+    ) -> None:
+        params = SamplingParams(
+            max_tokens=JSON_MAX_TOKENS, temperature=0.0, structured=STRUCTURED[kind]
+        )
+        steps = await collect(contract_engine, chat_ids(model, JSON_QUESTION), params, kind)
+        assert_well_formed(steps)
+        ids = ids_of(steps)
+        assert steps[-1].finish_reason == "stop" and ids[-1] in model.eos_token_ids
+        value = json.loads(model.decode(ids[:-1]))
+        assert isinstance(value, dict)
+        if kind == "json_schema":
+            assert isinstance(value.get("city"), str)
+
+    @pytest.mark.parametrize("under", ["structured", "penalties"])
+    async def test_a_continuation_under_structured_output_or_penalties_is_the_rest(
+        self, contract_engine: Engine, model: ModelInfo, under: str
+    ) -> None:
+        """The ids handed over count as made by the engine: the grammar has seen them, and
+        the penalties count them (an engine that starts afresh after them diverges)."""
+        if under == "structured":
+            prompt = chat_ids(model, JSON_QUESTION)
+            params = SamplingParams(
+                max_tokens=JSON_MAX_TOKENS, temperature=0.0, structured=STRUCTURED["json_schema"]
+            )
+            cut = 3  # inside the object
+        else:
+            prompt = chat_ids(model, LONG)
+            params = SamplingParams(
+                max_tokens=32,
+                temperature=0.0,
+                presence_penalty=2.0,
+                frequency_penalty=1.0,
+                repetition_penalty=1.2,
+            )
+            cut = 12
+        whole = await collect(contract_engine, prompt, params, "whole")
+        rest = await collect(contract_engine, prompt, params, "rest", ids_of(whole)[:cut])
+        assert_well_formed(rest)
+        assert ids_of(rest) == ids_of(whole)[cut:]
+        assert rest[-1].finish_reason == whole[-1].finish_reason
+
+    async def test_an_out_of_vocabulary_logit_bias_raises_engine_error(
+        self, contract_engine: Engine, model: ModelInfo
+    ) -> None:
+        params = SamplingParams(max_tokens=2, logit_bias={10**7: 1.0})
+        with pytest.raises(EngineError):
+            await collect(contract_engine, chat_ids(model, SHORT), params, "bad-bias")
+        await self._assert_released(contract_engine)

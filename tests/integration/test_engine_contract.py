@@ -25,6 +25,16 @@ class TestScriptedEngineContract(EngineContract):
             "so an out-of-vocabulary id or an empty prompt is not an error for it"
         ),
         "generate_before_start_raises_engine_error": "the scripted engine needs no start",
+        **dict.fromkeys(
+            (
+                "logit_bias_decides_a_greedy_answer",
+                "a_penalty_changes_a_greedy_answer",
+                "structured_output_is_valid_json",
+                "an_out_of_vocabulary_logit_bias_raises_engine_error",
+            ),
+            "a test double: the sampling fields that shape a model's choice (biases, "
+            "penalties, structured output) do not change the script",
+        ),
     }
 
     def held(self, engine: Any) -> int | None:
