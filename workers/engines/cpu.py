@@ -7,7 +7,11 @@ abort, or a consumer that walks away, is noticed before the next token is comput
 
 Thread <-> loop hand-off: the decode thread pushes ``StepOutput``s (or the exception
 that killed it) into the request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``.
-torch and transformers are imported in the worker thread, never at module import.
+torch, transformers and xgrammar are imported in the worker thread, never at module import.
+
+Sampling (``_Sampler``) applies every ``SamplingParams`` field in vLLM's sampler order,
+so that this engine and vLLM agree; structured output is xgrammar's, the library vLLM
+uses, compiled against the model's tokenizer when a request first asks for it.
 """
 
 from __future__ import annotations
