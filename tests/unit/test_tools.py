@@ -36,7 +36,7 @@ from tests.unit.conftest import CHAT_TEMPLATE
 
 Call = tuple[str, str, str]  # id, name, arguments text
 PROPS = settings(
-    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 
 
