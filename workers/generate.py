@@ -172,28 +172,17 @@ class Generation:
         tools = None if fmt is None else parser_for(fmt, call_ids(job.request_id, index))
         token_text = None if job.params.logprobs is None else self._token_text
         stop_ids = (*self.model.eos_token_ids, *job.params.stop_token_ids)
-        prompt_tokens = len(job.prompt_token_ids)
-        if not logged:
-            asm = Assembler(
-                self.model.tokenizer,
-                prompt_tokens=prompt_tokens,
-                stop=job.params.stop,
-                stop_token_ids=stop_ids,
-                tools=tools,
-                token_text=token_text,
-                index=index,
-            )
-            return asm, None
-        return Assembler.resume(
+        asm, now = Assembler.resume(  # (from no deltas: a new one, releasing nothing)
             self.model.tokenizer,
             logged,
-            prompt_tokens=prompt_tokens,
+            prompt_tokens=len(job.prompt_token_ids),
             stop=job.params.stop,
             stop_token_ids=stop_ids,
             tools=tools,
             token_text=token_text,
             index=index,
         )
+        return asm, now if logged else None
 
     async def _choice(
         self,

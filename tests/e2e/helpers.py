@@ -94,3 +94,26 @@ def ledger_row(
             await engine.dispose()
 
     return asyncio.run(fetch())
+
+
+def tool_calls_of(chunks: list[Any]) -> tuple[str, dict[int, dict[str, str]], list[str]]:
+    """The content, the calls (by index: id, name, joined arguments) and the finish
+    reasons of choice 0 in an openai SDK chunk stream; a call's id must come once."""
+    content, calls, finishes = "", {}, []
+    for c in chunks:
+        if not c.choices:
+            continue
+        choice = c.choices[0]
+        content += choice.delta.content or ""
+        for tc in choice.delta.tool_calls or []:
+            call = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+            if tc.id:
+                assert not call["id"], "a call's id comes once, in its first piece"
+                call["id"] = tc.id
+            if tc.function and tc.function.name:
+                call["name"] = tc.function.name
+            if tc.function and tc.function.arguments:
+                call["arguments"] += tc.function.arguments
+        if choice.finish_reason:
+            finishes.append(choice.finish_reason)
+    return content, calls, finishes

@@ -19,7 +19,7 @@ import pytest
 from openai import BadRequestError, OpenAI
 
 from tests.e2e.conftest import Stack
-from tests.e2e.helpers import chat_body, ledger_row, raw_events, read_all
+from tests.e2e.helpers import chat_body, ledger_row, raw_events, read_all, tool_calls_of
 
 WEATHER = {
     "type": "function",
@@ -63,27 +63,6 @@ def client(stack: Stack) -> Iterator[httpx.Client]:
         yield c
 
 
-def _calls_from_chunks(chunks: list[Any]) -> tuple[str, dict[int, dict[str, str]], list[str]]:
-    content, calls, finishes = "", {}, []
-    for c in chunks:
-        if not c.choices:
-            continue
-        choice = c.choices[0]
-        content += choice.delta.content or ""
-        for tc in choice.delta.tool_calls or []:
-            call = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
-            if tc.id:
-                assert not call["id"], "a call's id comes once, in its first piece"
-                call["id"] = tc.id
-            if tc.function and tc.function.name:
-                call["name"] = tc.function.name
-            if tc.function and tc.function.arguments:
-                call["arguments"] += tc.function.arguments
-        if choice.finish_reason:
-            finishes.append(choice.finish_reason)
-    return content, calls, finishes
-
-
 def test_streamed_tool_calls_are_pieces_of_two_calls_and_the_marker_never_leaks(
     stack: Stack, sdk: OpenAI
 ) -> None:
@@ -94,7 +73,7 @@ def test_streamed_tool_calls_are_pieces_of_two_calls_and_the_marker_never_leaks(
         stream=True,
     )
     chunks = list(stream)
-    content, calls, finishes = _calls_from_chunks(chunks)
+    content, calls, finishes = tool_calls_of(chunks)
     assert content == "Let me check."  # the space before a call is not content
     assert "<tool" not in content
     assert [calls[0]["name"], calls[1]["name"]] == ["get_weather", "get_time"]

@@ -7,12 +7,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 from httpx_sse import EventSource
+from openai import OpenAI
 
 from service.stream.ids import Cursor, EventId
 from tests.e2e.conftest import Stack, make_stack
-from tests.e2e.helpers import assert_ids_increase, content_of, finish_reason, read_all
+from tests.e2e.helpers import (
+    assert_ids_increase,
+    content_of,
+    finish_reason,
+    read_all,
+    tool_calls_of,
+)
 from tests.vllm.conftest import VLLM_ENV
 
 pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore")]
@@ -32,6 +40,11 @@ def stack(
         yield st
     finally:
         st.stop()
+
+
+@pytest.fixture
+def sdk(stack: Stack) -> OpenAI:
+    return OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def chat(stack: Stack, content: str, **extra: object) -> dict[str, object]:
@@ -138,12 +151,8 @@ WEATHER_TOOL = {
 }
 
 
-def test_json_schema_output_validates(stack: Stack) -> None:
+def test_json_schema_output_validates(stack: Stack, sdk: OpenAI) -> None:
     """vLLM's structured outputs, through the API: the answer is JSON of the schema."""
-    import jsonschema
-    from openai import OpenAI
-
-    sdk = OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     resp = sdk.chat.completions.create(
         model=stack.model,
         messages=[{"role": "user", "content": "Name a city and its country."}],
@@ -158,13 +167,9 @@ def test_json_schema_output_validates(stack: Stack) -> None:
     jsonschema.validate(json.loads(resp.choices[0].message.content or ""), CITY_SCHEMA)
 
 
-def test_named_tool_choice_arguments_validate(stack: Stack) -> None:
+def test_named_tool_choice_arguments_validate(stack: Stack, sdk: OpenAI) -> None:
     """A named tool_choice constrains the output to the function's parameters; the
     stream's tool_calls pieces join to arguments that validate."""
-    import jsonschema
-    from openai import OpenAI
-
-    sdk = OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=300)
     stream = sdk.chat.completions.create(
         model=stack.model,
         messages=[{"role": "user", "content": "What is the weather in Paris?"}],
@@ -174,30 +179,16 @@ def test_named_tool_choice_arguments_validate(stack: Stack) -> None:
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
         stream=True,
     )
-    name, args, finishes, content = None, "", [], ""
-    for chunk in stream:
-        if not chunk.choices:
-            continue
-        choice = chunk.choices[0]
-        content += choice.delta.content or ""
-        for tc in choice.delta.tool_calls or []:
-            assert tc.index == 0
-            if tc.function and tc.function.name:
-                name = tc.function.name
-            if tc.function and tc.function.arguments:
-                args += tc.function.arguments
-        if choice.finish_reason:
-            finishes.append(choice.finish_reason)
+    content, calls, finishes = tool_calls_of(list(stream))
+    assert list(calls) == [0]
+    name, args = calls[0]["name"], calls[0]["arguments"]
     assert content == ""
     assert name == "get_weather"
     assert finishes == ["tool_calls"]
     jsonschema.validate(json.loads(args), WEATHER_TOOL["function"]["parameters"])  # type: ignore[index]
 
 
-def test_logprobs_from_vllm(stack: Stack) -> None:
-    from openai import OpenAI
-
-    sdk = OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+def test_logprobs_from_vllm(stack: Stack, sdk: OpenAI) -> None:
     resp = sdk.chat.completions.create(
         model=stack.model,
         messages=[{"role": "user", "content": QUESTION}],
