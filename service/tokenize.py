@@ -69,12 +69,18 @@ class ModelInfo:
         )
 
     def render_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
     ) -> str:
         """``tools``: OpenAI tool objects, as Hugging Face templates take them."""
         extra = {} if tools is None else {"tools": tools}
         template = _compiled(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=True, **extra)
+        return template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **extra
+        )
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)

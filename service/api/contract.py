@@ -17,6 +17,7 @@ import msgspec
 
 from service.api.schemas import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     NamedToolChoice,
     message_dicts,
@@ -60,19 +61,30 @@ def check_engine(engine: str, params: SamplingParams) -> None:
 
 def chat_prompt(model: ModelInfo, body: ChatCompletionRequest) -> str:
     """The conversation through the model's chat template, with the tools the request
-    offers (``tool_choice`` "none": not offered). A template that does not render
+    offers (``tool_choice`` "none": not offered)."""
+    return render_conversation(model, body.messages, offered_tools(body))
+
+
+def render_conversation(
+    model: ModelInfo,
+    conversation: list[ChatMessage],
+    tools: list[dict[str, Any]] | None,
+    *,
+    generation_prompt: bool = True,
+) -> str:
+    """What /v1/chat/completions (and /tokenize) tokenize. A template that does not render
     ``tools`` gets them in a system message, and earlier calls and tool answers as
-    Hermes-style text, so that the model sees them all the same."""
-    messages = message_dicts(body.messages)
+    Hermes-style text, so that the model sees them all the same; a template that knows no
+    ``developer`` role gets it as ``system``."""
+    messages = message_dicts(conversation)
     if "developer" not in model.chat_template:  # OpenAI's newer name for it
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
-    tools = offered_tools(body)
     if tools and "tools" not in model.chat_template:
         messages = _as_text(messages, tools)
         tools = None
     elif not tools and "tool_calls" not in model.chat_template:
         messages = _as_text(messages, None)
-    return model.render_chat(messages, tools=tools)
+    return model.render_chat(messages, tools=tools, add_generation_prompt=generation_prompt)
 
 
 def offered_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:

@@ -22,6 +22,8 @@ class _Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_def
 
 class StreamOptions(_Strict, kw_only=True):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (GuideLLM sends it)
+    continuous_usage_stats: bool = False
     # lastevent: how long the request survives without any reader (None: server default;
     # 0: abort as soon as the last reader leaves), or run it to the end with no reader.
     resume_grace_s: Annotated[float, Meta(ge=0.0)] | None = None

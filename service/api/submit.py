@@ -33,6 +33,7 @@ class Submission:
     prompt_token_ids: list[int]
     params: SamplingParams
     include_usage: bool
+    continuous_usage: bool
     resume_grace_s: float
     detached: bool
     n: int = 1
@@ -195,6 +196,7 @@ def submission(
         prompt_token_ids=prompt_ids,
         params=params,
         include_usage=bool(options and options.include_usage),
+        continuous_usage=bool(options and options.include_usage and options.continuous_usage_stats),
         resume_grace_s=grace,
         detached=bool(options and options.detached),
         n=body.n or 1,
@@ -227,6 +229,7 @@ async def submit(
         api_key_id=principal.key_id,
         n=sub.n,
         user=sub.user,
+        continuous_usage=sub.continuous_usage,
     )
     settings = ctx.settings
     safety_ttl_s = int(settings.hot_log_ttl_s + 2 * settings.request_deadline_s)

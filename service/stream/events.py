@@ -41,6 +41,7 @@ class Created(_Event, tag="c"):
     # (new fields go last: entries are arrays, and logs written before them still decode)
     n: int = 1  # choices
     user: str | None = None  # the request's ``user`` (recorded in the ledger)
+    continuous_usage: bool = False  # every chunk carries the usage so far (vLLM's)
 
 
 class Delta(_Event, tag="d"):

@@ -47,7 +47,8 @@ class ChunkRenderer:
         if isinstance(event, Created):
             if not self.chat:
                 return []
-            return [self._chunk(i, {"role": "assistant", "content": ""}) for i in self._choices()]
+            role = {"role": "assistant", "content": ""}
+            return [self._chunk(i, role, completion_tokens=0) for i in self._choices()]
         if isinstance(event, Delta):
             return self._delta(event)
         if isinstance(event, Error):
@@ -69,7 +70,10 @@ class ChunkRenderer:
                 logprobs = completion_logprobs(d.logprobs, d.offset or 0)
         frames = []
         if d.text or not d.tools:
-            frames.append(self._chunk(d.index, {"content": d.text}, text=d.text, logprobs=logprobs))
+            content = {"content": d.text}
+            frames.append(
+                self._chunk(d.index, content, text=d.text, logprobs=logprobs, completion_tokens=d.n)
+            )
             logprobs = None
         for piece in d.tools or ():
             call: dict[str, Any] = {"index": piece.call}
@@ -79,7 +83,11 @@ class ChunkRenderer:
                 call["function"] = {"name": piece.name, "arguments": piece.arguments}
             else:
                 call["function"] = {"arguments": piece.arguments}
-            frames.append(self._chunk(d.index, {"tool_calls": [call]}, logprobs=logprobs))
+            frames.append(
+                self._chunk(
+                    d.index, {"tool_calls": [call]}, logprobs=logprobs, completion_tokens=d.n
+                )
+            )
             logprobs = None
         return frames
 
@@ -89,7 +97,8 @@ class ChunkRenderer:
             return []
         reasons = end.finish_reasons or [end.finish_reason]
         frames = [
-            self._chunk(i, {}, text="", finish_reason=reason) for i, reason in enumerate(reasons)
+            self._chunk(i, {}, finish_reason=reason, completion_tokens=end.completion_tokens)
+            for i, reason in enumerate(reasons)
         ]
         if self.created.include_usage:
             frames.append(_json.encode({**self._head(), "choices": [], "usage": usage(end)}))
@@ -112,14 +121,25 @@ class ChunkRenderer:
         text: str = "",
         finish_reason: str | None = None,
         logprobs: dict[str, Any] | None = None,
+        completion_tokens: int = 0,
     ) -> bytes:
+        """``completion_tokens``: the choice's so far (``continuous_usage``: every chunk
+        says the usage; at the end, the request's)."""
         if self.chat:
             choice: dict[str, Any] = {"index": index, "delta": delta}
         else:
             choice = {"index": index, "text": text}
         choice["logprobs"] = logprobs
         choice["finish_reason"] = finish_reason
-        return _json.encode({**self._head(), "choices": [choice]})
+        chunk = {**self._head(), "choices": [choice]}
+        if self.created.continuous_usage:
+            prompt = self.created.prompt_tokens
+            chunk["usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt + completion_tokens,
+            }
+        return _json.encode(chunk)
 
 
 @dataclasses.dataclass(slots=True)

@@ -339,3 +339,31 @@ def test_an_unknown_field_inside_a_message_is_named(stack: Stack, client: httpx.
     image = chat_body(stack.model, "hi")
     image["messages"][0]["content"] = [{"type": "image_url", "image_url": {"url": "x"}}]
     assert client.post("/v1/chat/completions", json=image).status_code == 400
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_guidellms_body_is_taken_and_every_chunk_has_the_usage(
+    stack: Stack, client: httpx.Client, route: str
+) -> None:
+    """What GuideLLM 0.8 sends, recorded from it: vLLM's continuous_usage_stats, text
+    parts, ignore_eos; each chunk says the usage so far, the last the request's."""
+    body: dict[str, Any] = {
+        "model": stack.model,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "ignore_eos": True,
+    }
+    if route.startswith("/v1/chat"):
+        body["messages"] = [{"role": "user", "content": [{"type": "text", "text": "a b c"}]}]
+        body["max_completion_tokens"] = 6
+    else:
+        body["prompt"] = "a b c"
+        body["max_tokens"] = 6
+    _, events = read_all(client, "POST", route, json=body)
+    chunks = [json.loads(e.data) for e in events if e.data.startswith("{")]
+    assert all("usage" in c for c in chunks)
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert counts == sorted(counts) and counts[-1] == 6  # ignore_eos: to max_tokens
+    final = chunks[-1]
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 6
+    assert {c["usage"]["prompt_tokens"] for c in chunks} == {final["usage"]["prompt_tokens"]}

@@ -17,11 +17,12 @@ from msgspec import Meta
 
 from service.api.auth import Principal
 from service.api.context import Context
+from service.api.contract import render_conversation
 from service.api.routes.completions import JsonBodyRequest
 from service.api.routes.system import context_length
-from service.api.schemas import ChatMessage, error_responses, message_dicts
+from service.api.schemas import ChatMessage, error_responses
 from service.errors import Forbidden, InvalidRequest
-from service.tokenize import ModelInfo, _compiled
+from service.tokenize import ModelInfo
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -70,15 +71,11 @@ def check_model_name(ctx: Context, model: str | None, principal: Principal) -> N
 
 
 def chat_prompt(model: ModelInfo, messages: list[ChatMessage], generation_prompt: bool) -> str:
-    """The text /v1/chat/completions tokenizes for ``messages`` (with the generation
-    prompt: ``ModelInfo.render_chat`` itself)."""
+    """The text /v1/chat/completions tokenizes for ``messages``."""
     if not messages:
         raise InvalidRequest("'messages' must not be empty", param="messages")
-    dicts = message_dicts(messages)
     try:
-        if generation_prompt:
-            return model.render_chat(dicts)
-        return _compiled(model.chat_template).render(messages=dicts, add_generation_prompt=False)
+        return render_conversation(model, messages, None, generation_prompt=generation_prompt)
     except Exception as exc:  # noqa: BLE001 - the template rejects the conversation
         raise InvalidRequest(f"invalid messages: {exc}", param="messages") from None
 
