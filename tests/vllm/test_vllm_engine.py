@@ -21,9 +21,10 @@ from service.store.keys import Keys
 from service.store.log import RedisLog
 from service.store.queue import Job, RequestQueue
 from service.stream.events import Created, Delta, End
-from service.stream.params import SamplingParams
+from service.stream.params import SamplingParams, Structured
 from service.tokenize import ModelInfo
 from tests.engine_contract import chat_ids
+from workers.engines.base import EngineError
 
 pytestmark = [
     pytest.mark.vllm,
@@ -43,6 +44,58 @@ async def engine(model_dir: Path) -> AsyncIterator[Any]:
     await eng.start()
     yield eng
     await eng.close()
+
+
+async def test_sampling_fields_map_onto_vllms(model_dir: Path) -> None:
+    """What ``generate`` hands vLLM (no engine needed): a fresh request maps field for
+    field; a continuation shortens max_tokens and min_tokens by the handed-over ids and
+    gives what counts output ids (presence, frequency, the grammar) to the processor,
+    which only vLLM's V1 model runner loads (V2 refuses such a continuation)."""
+    from workers.engines.vllm import _CONTINUATION, VllmConfig, VllmEngine
+
+    engine = VllmEngine(VllmConfig(model_dir=model_dir, eos_token_ids=(2,)))
+    params = SamplingParams(
+        max_tokens=20,
+        temperature=0.5,
+        top_k=-1,
+        min_p=0.1,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        repetition_penalty=1.1,
+        min_tokens=5,
+        logit_bias={7: 3.0},
+        stop_token_ids=(9,),
+        logprobs=3,
+        structured=Structured(kind="json_object"),
+    )
+    fresh = engine._sampling(params, (), 20)
+    assert (fresh.top_k, fresh.min_p, fresh.min_tokens, fresh.logprobs) == (0, 0.1, 5, 3)
+    assert (fresh.presence_penalty, fresh.frequency_penalty) == (0.5, 0.25)
+    assert fresh.repetition_penalty == 1.1 and fresh.logit_bias == {7: 3.0}
+    assert fresh.stop_token_ids == [9, 2] and not fresh.ignore_eos and not fresh.detokenize
+    assert fresh.structured_outputs.json_object and fresh.extra_args is None
+
+    later = engine._sampling(params, (11, 12, 13), 17)
+    assert (later.max_tokens, later.min_tokens) == (17, 2)
+    assert (later.presence_penalty, later.frequency_penalty, later.repetition_penalty) == (
+        0.0,
+        0.0,
+        1.0,
+    )
+    assert later.structured_outputs is None
+    state = later.extra_args[_CONTINUATION]
+    assert state["generated"] == [11, 12, 13] and state["kind"] == "json_object"
+    assert (state["presence_penalty"], state["repetition_penalty"]) == (0.5, 1.1)
+
+    plain = SamplingParams(max_tokens=4, ignore_eos=True, stop_token_ids=(9,))
+    assert engine._sampling(plain, (11,), 3).extra_args is None  # nothing counts output
+    assert engine._sampling(plain, (), 4).stop_token_ids == [9]  # the EOS does not end it
+
+    engine._continues = False  # vLLM's V2 model runner: no ContinuationProcessor there
+    with pytest.raises(EngineError) as refused:
+        engine._sampling(params, (11, 12, 13), 17)
+    assert refused.value.code == "unsupported_continuation"
+    assert engine._sampling(params, (), 20).structured_outputs.json_object  # fresh: all there
 
 
 async def test_one_token_per_engine_step(engine: Any, model: ModelInfo) -> None:
