@@ -98,6 +98,7 @@ REFUSED_FIELDS = (
     "reasoning_effort",
     "service_tier",
     "web_search_options",
+    "metadata",
     "best_of",
     "echo",
     "suffix",
@@ -112,9 +113,10 @@ class _Sampling(RequestSampling, kw_only=True, forbid_unknown_fields=True):
     stop: str | list[str] | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None
     user: Annotated[str, Meta(max_length=256)] | None = None
-    # OpenAI's: stored answers are this service's default (the log), metadata is not kept
+    # OpenAI's: every answer is kept in the log whatever ``store`` says (resume and replay
+    # are made of it); ``metadata`` is not kept anywhere, so it is refused
     store: bool | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Any = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,7 +19,7 @@ import pydantic
 import pytest
 from openai import BadRequestError, OpenAI
 
-from tests.e2e.conftest import Stack
+from tests.e2e.conftest import Stack, running
 from tests.e2e.helpers import chat_body, ledger_row, raw_events, read_all, tool_calls_of
 
 WEATHER = {
@@ -303,6 +304,7 @@ def test_the_sampling_fields_vllm_users_send_are_taken(stack: Stack, sdk: OpenAI
     [
         ({"temprature": 0.5}, "temprature", "Unrecognized request argument supplied: temprature"),
         ({"functions": [{"name": "f"}]}, "functions", "not supported"),
+        ({"metadata": {"a": "b"}}, "metadata", "not supported"),
         ({"top_logprobs": 2}, "top_logprobs", "logprobs"),
         ({"tool_choice": "required"}, "tool_choice", "tools"),
         ({"frequency_penalty": 3}, "frequency_penalty", "<= 2.0"),
@@ -367,3 +369,47 @@ def test_guidellms_body_is_taken_and_every_chunk_has_the_usage(
     final = chunks[-1]
     assert final["choices"] == [] and final["usage"]["completion_tokens"] == 6
     assert {c["usage"]["prompt_tokens"] for c in chunks} == {final["usage"]["prompt_tokens"]}
+
+
+@pytest.fixture(scope="module")
+def llama_stack(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
+) -> Iterator[Stack]:
+    """A server told its model writes Llama 3.x JSON calls (LASTEVENT_TOOL_PARSER)."""
+    with running(
+        tmp_path_factory.mktemp("llama"),
+        redis_url,
+        database_url,
+        model_dir,
+        tool_parser="llama3_json",
+    ) as st:
+        yield st
+
+
+def test_the_llama3_json_parser_is_a_setting(llama_stack: Stack) -> None:
+    sdk = OpenAI(base_url=llama_stack.url + "/v1", api_key="unused", max_retries=0)
+    calls = [
+        {"name": "get_weather", "parameters": ARGS_1},
+        {"name": "get_time", "parameters": ARGS_2},
+    ]
+    text = "; ".join(json.dumps(c, ensure_ascii=False) for c in calls)
+    resp = sdk.chat.completions.create(
+        model=llama_stack.model,
+        messages=[{"role": "user", "content": text}],
+        tools=[WEATHER, TIME],  # type: ignore[list-item]
+    )
+    got = resp.choices[0].message.tool_calls
+    assert got is not None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in got] == [  # type: ignore[union-attr]
+        ("get_weather", ARGS_1),
+        ("get_time", ARGS_2),
+    ]
+    assert resp.choices[0].message.content is None
+    # plain text is content for that parser: no marker, no call
+    plain = sdk.chat.completions.create(
+        model=llama_stack.model,
+        messages=[{"role": "user", "content": "It is sunny."}],
+        tools=[WEATHER],  # type: ignore[list-item]
+    )
+    assert plain.choices[0].message.content == "It is sunny."
+    assert plain.choices[0].finish_reason == "stop"
