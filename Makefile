@@ -96,6 +96,6 @@ lint: $(STAMP)  ## the static gates CI runs first: ruff, ruff format, mypy stric
 	$(BIN)/mypy
 
 clean:  ## remove the virtualenv and caches (not the data dir)
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis .cache
+	rm -rf $(VENV) $(VLLM_VENV) $(GUIDELLM_VENV) .pytest_cache .hypothesis .cache
 
 .PHONY: help install run test test-chaos test-clients test-vllm bench bench-takeover bench-vllm bench-guidellm test-fast lint clean
