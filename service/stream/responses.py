@@ -112,19 +112,14 @@ def ending(end: End) -> tuple[str, str]:
 def _logprob(lp: Logprob, *, raw: bool) -> dict[str, Any]:
     """A token's logprob: in deltas and ``.done`` events without bytes, in the
     response's ``output_text`` part with them (OpenAI's two shapes)."""
-    out: dict[str, Any] = {"token": lp.token}
-    if raw:
-        out["bytes"] = list(lp.raw)
-    out["logprob"] = lp.logprob
-    top = []
-    for a in lp.top:
-        alt: dict[str, Any] = {"token": a.token}
+
+    def one(token: str, data: bytes, logprob: float) -> dict[str, Any]:
         if raw:
-            alt["bytes"] = list(a.raw)
-        alt["logprob"] = a.logprob
-        top.append(alt)
-    out["top_logprobs"] = top
-    return out
+            return {"token": token, "bytes": list(data), "logprob": logprob}
+        return {"token": token, "logprob": logprob}
+
+    top = [one(a.token, a.raw, a.logprob) for a in lp.top]
+    return {**one(lp.token, lp.raw, lp.logprob), "top_logprobs": top}
 
 
 @dataclasses.dataclass(slots=True)
