@@ -256,14 +256,15 @@ class Runner:
         if owner.epoch <= 1:
             return [], Recovery()
         logged = [e for _, e in await self.log.read(job.request_id) if isinstance(e, Delta)]
-        reprefill = len(job.prompt_token_ids) + sum(len(d.token_ids) for d in logged)
+        # each choice prefills the prompt and its own logged ids again
+        reprefill = job.n * len(job.prompt_token_ids) + sum(len(d.token_ids) for d in logged)
         recovery = await self.log.resumed(owner, reprefill)
         CONTINUED.inc()
         REPREFILL_TOKENS.inc(reprefill)
         log.info(
             "request %s: continuing it after %d completion tokens (takeovers %d, handovers %d)",
             job.request_id,
-            reprefill - len(job.prompt_token_ids),
+            reprefill - job.n * len(job.prompt_token_ids),
             recovery.takeovers,
             recovery.handovers,
         )
