@@ -30,6 +30,7 @@ from service.api.routes.admin import AdminController
 from service.api.routes.completions import CompletionsController
 from service.api.routes.playground import PlaygroundController
 from service.api.routes.requests import RequestsController
+from service.api.routes.responses import ResponsesController
 from service.api.routes.system import SystemController
 from service.api.routes.vllm_compat import VllmCompatController
 from service.api.sweeper import Sweeper
@@ -266,6 +267,7 @@ def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
         route_handlers=[
             CompletionsController,
             RequestsController,
+            ResponsesController,
             SystemController,
             VllmCompatController,
             AdminController,

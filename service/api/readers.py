@@ -26,6 +26,7 @@ from service.stream.render import (
     error_object,
     sse_event_frames,
 )
+from service.stream.responses import Frame, ResponsesRenderer
 
 
 def _before(cursor: Cursor | None) -> EventId | None:
@@ -188,3 +189,80 @@ async def cold_frames(
         out.extend(sse_event_frames(renderer, eid, event, cursor))
     if out:
         yield b"".join(out)
+
+
+def response_renderer(rid: str, created: Created) -> ResponsesRenderer:
+    """The Responses renderer of a request made by POST /v1/responses."""
+    params = msgspec.json.decode(created.response) if created.response else {}
+    return ResponsesRenderer(rid, created, params)
+
+
+def response_sse(frames: list[Frame]) -> bytes:
+    """Responses events as SSE: ``event:`` its type, ``id:`` its sequence number (so a
+    ``Last-Event-ID`` reconnect is a ``starting_after``)."""
+    return b"".join(sse.frame(f.json(), str(f.sequence_number), f.type) for f in frames)
+
+
+async def response_frames(
+    ctx: Context,
+    rid: str,
+    created: Created,
+    after: int | None = None,
+    lease: Lease | None = None,
+) -> AsyncIterator[bytes]:
+    """The request's Responses events after sequence number ``after``, until its end.
+
+    The renderer counts the events from the log's start, so the log is always read from
+    its first entry, and never coalesced (merged deltas would renumber what follows)."""
+    renderer = response_renderer(rid, created)
+    sub = ctx.tailer.subscribe(rid, None)
+    if lease is None:
+        try:
+            lease = await ctx.presence.acquire(rid)
+        except BaseException:
+            sub.close()
+            raise
+    lease.adopted = True
+    READERS.inc()
+    try:
+        yield sse.retry_line(ctx.settings.reconnect_hint_ms)
+        async for batch in _until_lost(sub):
+            out: list[Frame] = []
+            ended = False
+            for _eid, event in batch:
+                out += [
+                    f for f in renderer.feed(event) if after is None or f.sequence_number > after
+                ]
+                if isinstance(event, End):
+                    ended = True
+                    break
+            if out:
+                yield response_sse(out)
+            if ended:
+                return
+    finally:
+        sub.close()
+        READERS.dec()
+        await lease.release()
+
+
+async def response_collect(
+    ctx: Context, rid: str, created: Created, lease: Lease
+) -> ResponsesRenderer:
+    """Wait for the whole response (a non-streaming client, holding ``lease``)."""
+    renderer = response_renderer(rid, created)
+    lease.adopted = True
+    sub = ctx.tailer.subscribe(rid, None)
+    READERS.inc()
+    try:
+        async for batch in _until_lost(sub):
+            for _eid, event in batch:
+                renderer.feed(event)
+                if isinstance(event, End):
+                    lease.delivered = event.completion_tokens
+                    return renderer
+    finally:
+        sub.close()
+        READERS.dec()
+        await lease.release()
+    return renderer

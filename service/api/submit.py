@@ -39,16 +39,18 @@ class Submission:
     n: int = 1
     tools: ToolFormat | None = None
     user: str | None = None
+    response: bytes | None = None  # /v1/responses: the parameters its objects echo
 
 
 # what ``new_request_id`` issues, and so all a per-request route may look up
-REQUEST_ID_RE = re.compile(r"(?:chatcmpl|cmpl)-[0-9a-f]{32}")
+REQUEST_ID_RE = re.compile(r"(?:chatcmpl|cmpl)-[0-9a-f]{32}|resp_[0-9a-f]{32}")
+_PREFIX = {Kind.CHAT: "chatcmpl-", Kind.TEXT: "cmpl-", Kind.RESPONSE: "resp_"}
 _SHOWN_ID_CHARS = 64
 
 
 def new_request_id(kind: Kind) -> str:
     """Unguessable: 128 random bits."""
-    return ("chatcmpl-" if kind == Kind.CHAT else "cmpl-") + secrets.token_hex(16)
+    return _PREFIX[kind] + secrets.token_hex(16)
 
 
 def no_such_request(request_id: str) -> NotFound:
@@ -159,7 +161,12 @@ def submission(
     prompt_ids: list[int],
     max_tokens: int | None,
     output: Output,
+    *,
+    max_param: str | None = None,
+    prompt_param: str | None = None,
 ) -> Submission:
+    """``max_param`` / ``prompt_param``: the client's names of the two, when the body is
+    a translation (``/v1/responses``'s ``max_output_tokens``, ``input``)."""
     settings = ctx.settings
     ctx_len = min(ctx.model.max_model_len, settings.max_model_len)
     options = body.stream_options
@@ -179,12 +186,13 @@ def submission(
             len(prompt_ids),
             settings.default_max_tokens,
             ctx_len,
-            param=(
+            param=max_param
+            or (
                 "max_completion_tokens"
                 if getattr(body, "max_completion_tokens", None) is not None
                 else "max_tokens"
             ),
-            prompt_param="messages" if kind == Kind.CHAT else "prompt",
+            prompt_param=prompt_param or ("messages" if kind == Kind.CHAT else "prompt"),
         ),
         stop=check_stop(body.stop),
         logprobs=output.logprobs,
@@ -230,6 +238,7 @@ async def submit(
         n=sub.n,
         user=sub.user,
         continuous_usage=sub.continuous_usage,
+        response=sub.response,
     )
     settings = ctx.settings
     safety_ttl_s = int(settings.hot_log_ttl_s + 2 * settings.request_deadline_s)

@@ -22,6 +22,7 @@ from service.stream.tools import ToolFragment
 class Kind(enum.StrEnum):
     CHAT = "chat"  # /v1/chat/completions
     TEXT = "text"  # /v1/completions
+    RESPONSE = "response"  # /v1/responses
 
 
 class _Event(msgspec.Struct, array_like=True, gc=False, tag_field="t"):
@@ -42,6 +43,8 @@ class Created(_Event, tag="c"):
     n: int = 1  # choices
     user: str | None = None  # the request's ``user`` (recorded in the ledger)
     continuous_usage: bool = False  # every chunk carries the usage so far (vLLM's)
+    # /v1/responses: the request's parameters as every response object echoes them (JSON)
+    response: bytes | None = None
 
 
 class Delta(_Event, tag="d"):

@@ -124,29 +124,34 @@ class RequestsController(Controller):
         """Queued: ended here, no engine sees it. Running: its worker aborts it at the next
         engine step. Already ended: nothing changes. Answers the request's state: 200 once
         it is terminal, 202 if the worker has not confirmed within ``cancel_wait_s``."""
-        checked_request_id(request_id)
-        created = _owned(await ctx.log.first(request_id), principal, request_id, required=True)
-        assert created is not None
-        queued_end = End(
-            state=str(State.CANCELLED),
-            finish_reason=str(FinishReason.CANCELLED),
-            prompt_tokens=created.prompt_tokens,
-            completion_tokens=0,
-        )
-        first = await ctx.log.first_with_id(request_id)
-        summary = summarize(request_id, first, queued_end, now_ms=int(time.time() * 1000))
-        outcome = await ctx.control.cancel(
-            request_id, queued_end, ctx.settings.hot_log_ttl_s, summary, created
-        )
-        if outcome.outcome == "missing":
-            raise no_such_request(request_id)
-        deadline = time.monotonic() + ctx.settings.cancel_wait_s
-        while True:
-            found = await request_status(ctx, request_id)
-            if found is None:
-                raise no_such_request(request_id)
-            found.pop("tenant", None)
-            if State(found["state"]).terminal or time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(0.02)
+        found = await cancel_request(ctx, principal, request_id)
         return Response(found, status_code=200 if State(found["state"]).terminal else 202)
+
+
+async def cancel_request(ctx: Context, principal: Principal, request_id: str) -> dict[str, Any]:
+    """Cancel the caller's request; its status once terminal (or after ``cancel_wait_s``)."""
+    checked_request_id(request_id)
+    created = _owned(await ctx.log.first(request_id), principal, request_id, required=True)
+    assert created is not None
+    queued_end = End(
+        state=str(State.CANCELLED),
+        finish_reason=str(FinishReason.CANCELLED),
+        prompt_tokens=created.prompt_tokens,
+        completion_tokens=0,
+    )
+    first = await ctx.log.first_with_id(request_id)
+    summary = summarize(request_id, first, queued_end, now_ms=int(time.time() * 1000))
+    outcome = await ctx.control.cancel(
+        request_id, queued_end, ctx.settings.hot_log_ttl_s, summary, created
+    )
+    if outcome.outcome == "missing":
+        raise no_such_request(request_id)
+    deadline = time.monotonic() + ctx.settings.cancel_wait_s
+    while True:
+        found = await request_status(ctx, request_id)
+        if found is None:
+            raise no_such_request(request_id)
+        found.pop("tenant", None)
+        if State(found["state"]).terminal or time.monotonic() >= deadline:
+            return found
+        await asyncio.sleep(0.02)
