@@ -13,6 +13,7 @@ import msgspec
 
 from service.api.context import Context
 from service.api.metrics import READERS
+from service.api.responses import kept
 from service.store.presence import Lease
 from service.store.tail import IDLE, Batch, Interrupted, LogLost, Subscription
 from service.stream import sse
@@ -193,7 +194,7 @@ async def cold_frames(
 
 def response_renderer(rid: str, created: Created) -> ResponsesRenderer:
     """The Responses renderer of a request made by POST /v1/responses."""
-    params = msgspec.json.decode(created.response) if created.response else {}
+    params, _ = kept(created.response)
     return ResponsesRenderer(rid, created, params)
 
 

@@ -1,0 +1,248 @@
+"""OpenAI's Responses API over the same request log: ``POST /v1/responses`` (streaming,
+not, or ``background``), ``GET /v1/responses/{id}`` (the object, or its events after
+``starting_after`` / ``Last-Event-ID``), ``POST /v1/responses/{id}/cancel``.
+
+A response is a request like a chat completion (the same prompt, tools, structured
+output, worker and log); only its rendering differs (``stream/responses.py``), and it
+counts its events from the log's start, so a stream resumed on any replica, or read
+back from the archive, has the same sequence numbers and bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgspec
+from litestar import Controller, Request, Response, get, post
+from litestar.response import Stream
+
+from service.api.auth import Principal
+from service.api.context import Context
+from service.api.contract import chat_output, chat_prompt
+from service.api.readers import (
+    response_collect,
+    response_frames,
+    response_renderer,
+    response_sse,
+)
+from service.api.responses import (
+    ResponsesRequest,
+    as_input,
+    chat_body,
+    check,
+    input_items,
+    kept,
+    listed,
+    stored,
+)
+from service.api.routes.completions import REQUEST_ID_HEADER, JsonBodyRequest, until_disconnect
+from service.api.routes.requests import cancel_request
+from service.api.schemas import ChatCompletionRequest, error_responses
+from service.api.submit import check_model, checked_request_id, no_such_request, submission, submit
+from service.errors import InvalidRequest, NotFound
+from service.stream import sse
+from service.stream.events import Created, Event, Kind
+from service.stream.ids import EventId
+from service.stream.responses import frames_after
+
+
+def _chat(data: ResponsesRequest, items: list[dict[str, Any]]) -> ChatCompletionRequest:
+    try:
+        return msgspec.convert(chat_body(data, items), ChatCompletionRequest)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"invalid input: {exc}", param="input") from None
+
+
+async def _entries(ctx: Context, rid: str, principal: Principal) -> list[tuple[EventId, Event]]:
+    """The response's log, hot or archived; 404 for another tenant's or a non-response."""
+    entries = await ctx.log.read(checked_request_id(rid))
+    if not entries and ctx.ledger is not None:
+        entries = await ctx.ledger.archived(rid) or []
+    created = entries[0][1] if entries else None
+    if (
+        not isinstance(created, Created)
+        or created.tenant != principal.tenant
+        or created.kind != Kind.RESPONSE
+    ):
+        raise no_such_request(rid)
+    return entries
+
+
+async def _continued(ctx: Context, principal: Principal, rid: str) -> list[dict[str, Any]]:
+    """The conversation so far of ``previous_response_id``: its whole input (which holds
+    the turns before it) and its output, as input items; hot or from the archive."""
+    try:
+        entries = await _entries(ctx, rid, principal)
+    except NotFound:
+        raise NotFound(
+            f"no response '{rid[:64]}'", param="previous_response_id", code="not_found"
+        ) from None
+    created = entries[0][1]
+    assert isinstance(created, Created)
+    before = _object(rid, entries)
+    if before["status"] in ("queued", "in_progress"):
+        raise InvalidRequest(
+            f"response '{rid}' has not ended: its output cannot be continued yet",
+            param="previous_response_id",
+        )
+    return kept(created.response)[1] + as_input(before["output"])
+
+
+def _object(rid: str, entries: list[tuple[EventId, Event]]) -> dict[str, Any]:
+    created = entries[0][1]
+    assert isinstance(created, Created)
+    renderer = response_renderer(rid, created)
+    for _, event in entries:
+        renderer.feed(event)
+    return renderer.response_object()
+
+
+class ResponsesController(Controller):
+    path = "/v1/responses"
+    tags = ("responses",)
+    request_class = JsonBodyRequest
+
+    @post(
+        "",
+        status_code=200,
+        summary="Create a response (OpenAI's Responses API)",
+        responses=error_responses(400, 401, 403, 413, 429, 503),
+    )
+    async def create(
+        self,
+        ctx: Context,
+        principal: Principal,
+        request: Request[Any, Any, Any],
+        data: ResponsesRequest,
+    ) -> Response[Any] | Stream:
+        check(data)
+        items = input_items(data)
+        if data.previous_response_id is not None:
+            items = await _continued(ctx, principal, data.previous_response_id) + items
+        chat = _chat(data, items)
+        check_model(ctx, chat, principal)
+        output = chat_output(chat, ctx.model, ctx.settings.tool_parser)
+        try:
+            prompt_ids = ctx.model.encode(chat_prompt(ctx.model, chat))
+        except Exception as exc:  # noqa: BLE001 - the template rejects the conversation
+            raise InvalidRequest(f"invalid input: {exc}", param="input") from None
+        sub = submission(
+            ctx,
+            chat,
+            Kind.RESPONSE,
+            prompt_ids,
+            data.max_output_tokens,
+            output,
+            max_param="max_output_tokens",
+            prompt_param="input",
+        )
+        # background: no reader needed (it runs to its end, readable meanwhile and after)
+        sub = dataclasses.replace(sub, response=stored(data, items), detached=data.background)
+        rid, created, lease = await submit(ctx, sub, data.model, principal)
+        headers = {REQUEST_ID_HEADER: rid}
+        if data.stream:
+            frames = response_frames(ctx, rid, created, None, lease)
+            return Stream(frames, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **headers})
+        if data.background:  # answered at once, queued
+            await lease.release()
+            renderer = response_renderer(rid, created)
+            renderer.feed(created)
+            return Response(renderer.response_object(), headers=headers)
+        done = await until_disconnect(request, response_collect(ctx, rid, created, lease))
+        if done is None:  # the client went away; the grace period runs
+            return Response(b"", status_code=499, headers=headers)
+        return Response(done.response_object(), headers=headers)
+
+    @get(
+        "/{response_id:str}",
+        summary="A response, or its events after starting_after (resumable)",
+        responses=error_responses(400, 401, 404),
+    )
+    async def retrieve(
+        self,
+        ctx: Context,
+        principal: Principal,
+        request: Request[Any, Any, Any],
+        response_id: str,
+        stream: bool = False,
+        starting_after: int | None = None,
+        include_obfuscation: bool | None = None,  # (no obfuscation here: nothing to turn off)
+    ) -> Response[Any] | Stream:
+        header = request.headers.get("last-event-id")
+        after = starting_after
+        if header:
+            if not header.isdigit():
+                raise InvalidRequest(
+                    "Last-Event-ID of a response stream is a sequence number",
+                    param="Last-Event-ID",
+                    code="invalid_event_id",
+                )
+            after = int(header)
+        if after is not None and not stream:
+            raise InvalidRequest("'starting_after' needs 'stream=true'", param="starting_after")
+        entries = await _entries(ctx, response_id, principal)
+        headers = {REQUEST_ID_HEADER: response_id}
+        if not stream:
+            return Response(_object(response_id, entries), headers=headers)
+        created = entries[0][1]
+        assert isinstance(created, Created)
+        if await ctx.log.meta(response_id) is not None:  # hot: follow it to its end
+            frames = response_frames(ctx, response_id, created, after)
+            return Stream(frames, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **headers})
+        rendered = frames_after(
+            response_renderer(response_id, created), (e for _, e in entries), after
+        )
+        body = sse.retry_line(ctx.settings.reconnect_hint_ms) + response_sse(rendered)
+        return Response(body, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **headers})
+
+    @post(
+        "/{response_id:str}/cancel",
+        status_code=200,
+        summary="Cancel a response (idempotent)",
+        responses=error_responses(401, 404),
+    )
+    async def cancel(self, ctx: Context, principal: Principal, response_id: str) -> dict[str, Any]:
+        await _entries(ctx, response_id, principal)
+        await cancel_request(ctx, principal, response_id)
+        return _object(response_id, await _entries(ctx, response_id, principal))
+
+    @get(
+        "/{response_id:str}/input_items",
+        summary="A response's input items (earlier turns included)",
+        responses=error_responses(400, 401, 404),
+    )
+    async def input_items(
+        self,
+        ctx: Context,
+        principal: Principal,
+        response_id: str,
+        order: str = "desc",
+        limit: int = 20,
+        after: str | None = None,
+    ) -> dict[str, Any]:
+        """OpenAI's page: newest first by default (``order=asc``: oldest), ``limit`` 1-100,
+        ``after`` an item id of the previous page."""
+        if order not in ("asc", "desc"):
+            raise InvalidRequest("'order' is 'asc' or 'desc'", param="order")
+        if not 1 <= limit <= 100:
+            raise InvalidRequest(f"'limit' is {limit}; 1 to 100", param="limit")
+        entries = await _entries(ctx, response_id, principal)
+        created = entries[0][1]
+        assert isinstance(created, Created)
+        data = listed(response_id, kept(created.response)[1])
+        if order == "desc":
+            data.reverse()
+        if after is not None:
+            ids = [item["id"] for item in data]
+            if after not in ids:
+                raise InvalidRequest(f"no input item '{after[:64]}'", param="after")
+            data = data[ids.index(after) + 1 :]
+        page = data[:limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(data) > limit,
+        }
