@@ -64,6 +64,8 @@ class Settings:
 
     # event log
     hot_log_ttl_s: int = 3600  # the log stays in Redis this long after its terminal event
+    unstored_ttl_s: int = 30  # ... and this long for a ``store: false`` response (readers
+    # between connections can still finish reading it)
     tail_block_ms: int = 5000  # the multiplexed XREAD BLOCK timeout
     tail_count: int = 512  # XREAD COUNT per stream per call
     tail_shard_size: int = 1000  # logs per multiplexed XREAD (one Redis connection each)

@@ -100,13 +100,16 @@ class Recorder:
             await self.outbox.ack(entry_id)
             return
         summary, end_id = found
-        entries = await self.log.read_raw(summary.request_id)
         packed = None
-        if entries:
-            blob, raw_size = archive.pack(entries)
-            packed = (blob, len(entries), raw_size)
-        else:
-            log.warning("recorder: log of %s expired before it was archived", summary.request_id)
+        if summary.store:  # (``store: false``: the billing row only)
+            entries = await self.log.read_raw(summary.request_id)
+            if entries:
+                blob, raw_size = archive.pack(entries)
+                packed = (blob, len(entries), raw_size)
+            else:
+                log.warning(
+                    "recorder: log of %s expired before it was archived", summary.request_id
+                )
         await self.ledger.record(summary, end_id, packed)
         if self.crash_after_insert:
             os._exit(17)  # committed, not acked: the entry must be delivered again

@@ -327,7 +327,7 @@ class Runner:
             owner,
             outcome.events,
             terminal_state=end.state,
-            ttl_s=self.settings.hot_log_ttl_s,
+            ttl_s=self._ttl(first),
             summary=encode_summary(summary),
             give_up_at=self._give_up_at(job),
             inflight_key=""
@@ -353,6 +353,12 @@ class Runner:
             await self.outbox.add(summary, f"{now_ms}-0")
         except RedisError:
             log.exception("request %s: could not record it as lost", job.request_id)
+
+    def _ttl(self, first: tuple[EventId, Created] | None) -> int:
+        """How long the finished log stays in Redis (``store: false``: briefly)."""
+        if first is not None and not first[1].store:
+            return min(self.settings.unstored_ttl_s, self.settings.hot_log_ttl_s)
+        return self.settings.hot_log_ttl_s
 
     def _give_up_at(self, job: Job) -> float:
         """How long the worker keeps trying to end a request through a Redis outage: past

@@ -147,11 +147,10 @@ def listed(rid: str, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def check(body: ResponsesRequest) -> None:
     """What this server cannot honour yet: a 400 naming it."""
-    if body.store is False:
+    if body.store is False and body.background:
         raise InvalidRequest(
-            "'store': false is not supported yet (every response is kept for the hot-log TTL)",
+            "background mode needs 'store': true (its answer is read back later)",
             param="store",
-            code="unsupported_parameter",
         )
     if body.metadata is not None and len(body.metadata) > 16:
         raise InvalidRequest("'metadata' has more than 16 keys", param="metadata")

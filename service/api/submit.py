@@ -40,6 +40,7 @@ class Submission:
     tools: ToolFormat | None = None
     user: str | None = None
     response: bytes | None = None  # /v1/responses: the parameters its objects echo
+    store: bool = True  # False: not archived, a short hot TTL
 
 
 # what ``new_request_id`` issues, and so all a per-request route may look up
@@ -239,6 +240,7 @@ async def submit(
         user=sub.user,
         continuous_usage=sub.continuous_usage,
         response=sub.response,
+        store=sub.store,
     )
     settings = ctx.settings
     safety_ttl_s = int(settings.hot_log_ttl_s + 2 * settings.request_deadline_s)

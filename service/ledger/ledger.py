@@ -202,6 +202,12 @@ class Ledger:
         blob = await self.archive(request_id)
         return None if blob is None else archive_format.unpack(blob)
 
+    async def delete_archive(self, request_id: str) -> bool:
+        """Remove one request's archived log (its billing row stays); whether one was there."""
+        async with asking(f"archive of {request_id}"), self.engine.begin() as conn:
+            stmt = delete(ArchiveRow).where(ArchiveRow.request_id == request_id)
+            return int((await conn.execute(stmt)).rowcount) > 0
+
     async def archive(self, request_id: str) -> bytes | None:
         async with asking(f"archive of {request_id}"), self.engine.connect() as conn:
             return (

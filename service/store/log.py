@@ -287,6 +287,13 @@ class RedisLog:
         raw: Any = await self.redis.xrange(self.keys.log(request_id), min=start, count=count)
         return _entries(raw)
 
+    async def delete(self, request_id: str) -> None:
+        """Remove an ended request's log and control keys (one slot: its hash tag)."""
+        k = self.keys
+        await self.redis.delete(
+            k.log(request_id), k.meta(request_id), k.readers(request_id), k.scratch(request_id)
+        )
+
     async def read_raw(self, request_id: str) -> list[tuple[EventId, bytes]]:
         """Every entry's id and payload bytes, as stored (what the archive keeps)."""
         raw: Any = await self.redis.xrange(self.keys.log(request_id))

@@ -45,6 +45,8 @@ class Created(_Event, tag="c"):
     continuous_usage: bool = False  # every chunk carries the usage so far (vLLM's)
     # /v1/responses: the request's parameters as every response object echoes them (JSON)
     response: bytes | None = None
+    # False (``store: false``): not archived, and the hot log lapses soon after the end
+    store: bool = True
 
 
 class Delta(_Event, tag="d"):
@@ -137,6 +139,7 @@ class Summary(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     handovers: int = 0
     reprefill_tokens: int = 0
     user: str | None = None
+    store: bool = True  # False: the recorder writes the billing row, not the archive
 
 
 def summarize(
@@ -166,6 +169,7 @@ def summarize(
         tenant=created.tenant if created else None,
         api_key_id=created.api_key_id if created else None,
         user=created.user if created else None,
+        store=created.store if created else True,
         **extra,
     )
 

@@ -4,18 +4,24 @@ retrieve, cancel, function calling. The scripted engine echoes the last user mes
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+import redis
 from httpx_sse import EventSource
 from openai import BadRequestError, NotFoundError, OpenAI
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import create_async_engine
 
+from service.store.keys import Keys
 from tests.e2e.conftest import Stack, running
-from tests.e2e.helpers import LONG
+from tests.e2e.helpers import LONG, ledger_row
 from tests.e2e.test_chat_contract import ARGS_1, hermes
 
 WEATHER = {
@@ -167,7 +173,8 @@ def test_streamed_function_call_arguments(stack: Stack, sdk: OpenAI) -> None:
 
 def test_what_cannot_be_honoured_is_a_400(stack: Stack, sdk: OpenAI) -> None:
     for extra, param in [
-        ({"store": False}, "store"),
+        ({"store": False, "background": True}, "store"),
+        ({"include": ["message.output_text.logprobs"]}, "include"),
         ({"reasoning": {"effort": "low"}}, "reasoning"),
     ]:
         with pytest.raises(BadRequestError) as err:
@@ -218,3 +225,56 @@ def test_previous_response_id_of_nothing_is_a_404(stack: Stack, sdk: OpenAI) -> 
     with pytest.raises(NotFoundError) as err:
         sdk.responses.create(model=stack.model, input="hi", previous_response_id="resp_" + "0" * 32)
     assert isinstance(err.value.body, dict) and err.value.body["param"] == "previous_response_id"
+
+
+def _archived(database_url: str, rid: str) -> bool:
+    async def look() -> bool:
+        engine = create_async_engine(database_url)
+        try:
+            async with engine.connect() as conn:
+                found = await conn.execute(
+                    text("SELECT 1 FROM archives WHERE request_id = :id"), {"id": rid}
+                )
+                return found.first() is not None
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(look())
+
+
+def test_store_false_keeps_the_billing_row_only(stack: Stack, sdk: OpenAI) -> None:
+    resp = sdk.responses.create(model=stack.model, input="not kept", store=False)
+    assert resp.output_text == "not kept" and resp.store is False
+    db = stack.settings.database_url or ""
+    row = ledger_row(db, resp.id)
+    assert row is not None and row["state"] == "finished"
+    assert not _archived(db, resp.id)
+    ttl = redis.Redis.from_url(stack.settings.redis_url or "").ttl(
+        Keys(stack.settings.key_prefix).log(resp.id)
+    )
+    assert 0 < ttl <= stack.settings.unstored_ttl_s
+    kept = sdk.responses.create(model=stack.model, input="kept")
+    assert ledger_row(db, kept.id) is not None
+    deadline = time.monotonic() + 15
+    while not _archived(db, kept.id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _archived(db, kept.id)  # (the same path archives a stored one)
+    with pytest.raises(BadRequestError):
+        sdk.responses.create(model=stack.model, input="x", store=False, background=True)
+
+
+def test_delete_removes_the_log_and_the_archive(stack: Stack, sdk: OpenAI) -> None:
+    done = sdk.responses.create(model=stack.model, input="to be deleted")
+    running = sdk.responses.create(model=stack.model, input=LONG * 3, background=True)
+    db = stack.settings.database_url or ""
+    for rid in (done.id, running.id):
+        gone = sdk.responses.delete(rid)
+        assert gone is None or getattr(gone, "deleted", True)
+        with pytest.raises(NotFoundError):
+            sdk.responses.retrieve(rid)
+        assert not _archived(db, rid)
+        row = ledger_row(db, rid)  # billing keeps its row
+        assert row is not None
+    assert ledger_row(db, running.id)["state"] == "cancelled"  # type: ignore[index]
+    with pytest.raises(NotFoundError):
+        sdk.responses.delete(done.id)

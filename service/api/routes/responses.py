@@ -1,6 +1,7 @@
 """OpenAI's Responses API over the same request log: ``POST /v1/responses`` (streaming,
 not, or ``background``), ``GET /v1/responses/{id}`` (the object, or its events after
-``starting_after`` / ``Last-Event-ID``), ``POST /v1/responses/{id}/cancel``.
+``starting_after`` / ``Last-Event-ID``), ``POST /v1/responses/{id}/cancel``,
+``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``.
 
 A response is a request like a chat completion (the same prompt, tools, structured
 output, worker and log); only its rendering differs (``stream/responses.py``), and it
@@ -10,11 +11,13 @@ back from the archive, has the same sequence numbers and bytes.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 from typing import Any
 
 import msgspec
-from litestar import Controller, Request, Response, get, post
+from litestar import Controller, Request, Response, delete, get, post
 from litestar.response import Stream
 
 from service.api.auth import Principal
@@ -39,10 +42,11 @@ from service.api.responses import (
 from service.api.routes.completions import REQUEST_ID_HEADER, JsonBodyRequest, until_disconnect
 from service.api.routes.requests import cancel_request
 from service.api.schemas import ChatCompletionRequest, error_responses
+from service.api.status import ledger_row
 from service.api.submit import check_model, checked_request_id, no_such_request, submission, submit
 from service.errors import InvalidRequest, NotFound
 from service.stream import sse
-from service.stream.events import Created, Event, Kind
+from service.stream.events import Created, End, Event, Kind
 from service.stream.ids import EventId
 from service.stream.responses import frames_after
 
@@ -138,7 +142,12 @@ class ResponsesController(Controller):
             prompt_param="input",
         )
         # background: no reader needed (it runs to its end, readable meanwhile and after)
-        sub = dataclasses.replace(sub, response=stored(data, items), detached=data.background)
+        sub = dataclasses.replace(
+            sub,
+            response=stored(data, items),
+            detached=data.background,
+            store=data.store is not False,
+        )
         rid, created, lease = await submit(ctx, sub, data.model, principal)
         headers = {REQUEST_ID_HEADER: rid}
         if data.stream:
@@ -246,3 +255,24 @@ class ResponsesController(Controller):
             "last_id": page[-1]["id"] if page else None,
             "has_more": len(data) > limit,
         }
+
+    @delete(
+        "/{response_id:str}",
+        status_code=200,
+        summary="Delete a response (its log and archive; the billing row stays)",
+        responses=error_responses(401, 404),
+    )
+    async def remove(self, ctx: Context, principal: Principal, response_id: str) -> dict[str, Any]:
+        """A running response is cancelled first. The hot log goes at once; the archive
+        once the recorder has written the billing row (waited for, so that a recorder
+        that read the log just before cannot archive it after the delete)."""
+        entries = await _entries(ctx, response_id, principal)
+        if not isinstance(entries[-1][1], End):
+            await cancel_request(ctx, principal, response_id)
+        await ctx.log.delete(response_id)
+        if ctx.ledger is not None:
+            deadline = time.monotonic() + ctx.settings.cancel_wait_s
+            while await ledger_row(ctx, response_id) is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await ctx.ledger.delete_archive(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
