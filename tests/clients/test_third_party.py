@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from httpx_sse import EventSource
 from lastevent_client import Client
@@ -247,6 +248,62 @@ def test_openai_node_sdk_cannot_resume(
     assert out["text"] != QUESTION
     assert QUESTION.startswith(out["text"])
     assert out["error"] is not None
+
+
+def test_openai_node_sdk_resumes_a_background_response(
+    node: Any, clients_stack: ClientStack, api_key: str, proxy: CuttingProxy
+) -> None:
+    """The Responses API's own resume, in the SDK: every cut connection is followed by
+    ``responses.retrieve(id, {stream: true, starting_after})``; the events, numbered
+    from the log's start, come once each and the text is whole."""
+    out = run(node, "openai_responses.mjs", proxy.url, clients_stack, api_key)
+    report(
+        "openai Node SDK, Responses API (cutting proxy)",
+        resumes=out["resumes"],
+        events=len(out["sequence"]),
+        cuts=proxy.cuts,
+    )
+    assert out["status"] == "completed", out
+    assert out["text"] == QUESTION
+    assert out["sequence"] == list(range(len(out["sequence"])))
+    assert out["resumes"] >= 1 and proxy.cuts >= 1
+
+
+def test_openai_python_sdk_resumes_a_background_response(
+    clients_stack: ClientStack, api_key: str, proxy: CuttingProxy
+) -> None:
+    """The same with the Python SDK: ``responses.retrieve(id, stream=True,
+    starting_after=n)`` after every cut."""
+    sdk = openai.OpenAI(base_url=proxy.url + "/v1", api_key=api_key, max_retries=0)
+    sequence: list[int] = []
+    text, status, rid, resumes = "", None, None, 0
+    for _ in range(200):
+        try:
+            if rid is None:
+                made = sdk.responses.with_raw_response.create(
+                    model=clients_stack.model, input=QUESTION, background=True, stream=True
+                )
+                rid = made.headers["x-request-id"]
+                stream = made.parse()
+            else:
+                after = {"starting_after": sequence[-1]} if sequence else {}
+                stream = sdk.responses.retrieve(rid, stream=True, **after)
+                resumes += 1
+            for event in stream:
+                sequence.append(event.sequence_number)
+                if event.type == "response.output_text.delta":
+                    text += event.delta
+                if event.type in ("response.completed", "response.incomplete", "response.failed"):
+                    status = event.response.status
+        except (openai.APIError, httpx.HTTPError):
+            pass  # cut: resume (or, before the headers, make it again)
+        if status is not None:
+            break
+    report("openai Python SDK, Responses API (cutting proxy)", resumes=resumes, cuts=proxy.cuts)
+    assert status == "completed"
+    assert text == QUESTION
+    assert sequence == list(range(len(sequence)))
+    assert resumes >= 1
 
 
 class FirstCut:
