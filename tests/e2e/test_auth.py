@@ -121,6 +121,34 @@ def test_other_tenants_requests_are_404_everywhere(stack: Stack, keys: dict[str,
         assert mine.status_code == 200 and mine.json()["state"] == "finished"
 
 
+def test_other_tenants_responses_are_404_everywhere(stack: Stack, keys: dict[str, str]) -> None:
+    with httpx.Client(base_url=stack.url, timeout=30) as c:
+        made = c.post(
+            "/v1/responses",
+            headers=auth(keys["acme"]),
+            json={"model": stack.model, "input": "acme's confidential answer"},
+        )
+        assert made.status_code == 200, made.text
+        rid = made.json()["id"]
+        for method, path, body in (
+            ("GET", f"/v1/responses/{rid}", None),
+            ("GET", f"/v1/responses/{rid}?stream=true", None),
+            ("GET", f"/v1/responses/{rid}/input_items", None),
+            ("POST", f"/v1/responses/{rid}/cancel", None),
+            ("DELETE", f"/v1/responses/{rid}", None),
+            (
+                "POST",
+                "/v1/responses",
+                {"model": stack.model, "input": "go on", "previous_response_id": rid},
+            ),
+        ):
+            resp = c.request(method, path, headers=auth(keys["globex"]), json=body)
+            assert resp.status_code == 404, (method, path, resp.text)
+            assert "confidential" not in resp.text
+        mine = c.get(f"/v1/responses/{rid}", headers=auth(keys["acme"]))
+        assert mine.status_code == 200 and mine.json()["status"] == "completed"
+
+
 def test_tenant_and_key_reach_the_ledger(
     stack: Stack, keys: dict[str, str], database_url: str
 ) -> None:

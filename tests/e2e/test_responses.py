@@ -46,6 +46,7 @@ def stack(
         redis_url,
         database_url,
         model_dir,
+        apis=2,  # a stream resumed on the other replica
         scripted_tokens_per_s=100.0,
     ) as st:
         yield st
@@ -278,3 +279,37 @@ def test_delete_removes_the_log_and_the_archive(stack: Stack, sdk: OpenAI) -> No
     assert ledger_row(db, running.id)["state"] == "cancelled"  # type: ignore[index]
     with pytest.raises(NotFoundError):
         sdk.responses.delete(done.id)
+
+
+def test_a_background_response_runs_with_no_reader(stack: Stack, sdk: OpenAI) -> None:
+    made = sdk.responses.create(model=stack.model, input="nobody waits", background=True)
+    assert made.status in ("queued", "in_progress") and made.background is True
+    deadline = time.monotonic() + 60
+    while (got := sdk.responses.retrieve(made.id)).status != "completed":
+        assert time.monotonic() < deadline, got.status
+        time.sleep(0.1)
+    assert got.output_text == "nobody waits"
+
+
+def test_an_archived_response_streams_the_same_bytes(stack: Stack, sdk: OpenAI) -> None:
+    resp = sdk.responses.create(model=stack.model, input="Zürich 東京 🤖, archived")
+    db = stack.settings.database_url or ""
+    assert ledger_row(db, resp.id) is not None
+    with httpx.Client(base_url=stack.url, timeout=30) as client:
+        hot = client.get(f"/v1/responses/{resp.id}", params={"stream": "true"}).content
+        hot_object = client.get(f"/v1/responses/{resp.id}").content
+        deadline = time.monotonic() + 15
+        while not _archived(db, resp.id):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        keys = Keys(stack.settings.key_prefix)
+        redis.Redis.from_url(stack.settings.redis_url or "").delete(
+            keys.log(resp.id), keys.meta(resp.id)
+        )  # the hot log's TTL, now
+        cold = client.get(f"/v1/responses/{resp.id}", params={"stream": "true"}).content
+        assert cold == hot
+        assert client.get(f"/v1/responses/{resp.id}").content == hot_object
+        after = client.get(
+            f"/v1/responses/{resp.id}", params={"stream": "true", "starting_after": 5}
+        )
+        assert hot.endswith(after.content.split(b"\n", 1)[1])  # (after its retry: line)
