@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pydantic
 import pytest
 import redis
 from httpx_sse import EventSource
@@ -313,3 +314,15 @@ def test_an_archived_response_streams_the_same_bytes(stack: Stack, sdk: OpenAI) 
             f"/v1/responses/{resp.id}", params={"stream": "true", "starting_after": 5}
         )
         assert hot.endswith(after.content.split(b"\n", 1)[1])  # (after its retry: line)
+
+
+class City(pydantic.BaseModel):
+    city: str
+    population: int
+
+
+def test_text_format_json_schema_parses_into_the_model(stack: Stack, sdk: OpenAI) -> None:
+    text = json.dumps({"city": "Zürich", "population": 423000}, ensure_ascii=False)
+    parsed = sdk.responses.parse(model=stack.model, input=text, text_format=City)
+    assert parsed.output_parsed == City(city="Zürich", population=423000)
+    assert parsed.text.format.type == "json_schema"  # type: ignore[union-attr]
