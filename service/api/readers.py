@@ -7,7 +7,7 @@ process's ``LogTailer`` and renders each event with the pure ``ChunkRenderer``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 
@@ -161,21 +161,26 @@ async def _until_lost(sub: Subscription) -> AsyncIterator[Batch]:
 async def collect(ctx: Context, rid: str, created: Created, lease: Lease) -> ResponseAggregate:
     """Wait for the whole answer (a non-streaming client, holding ``lease`` meanwhile)."""
     agg = ResponseAggregate(rid, created)
+    await _until_end(ctx, rid, lease, agg.add)
+    return agg
+
+
+async def _until_end(ctx: Context, rid: str, lease: Lease, feed: Callable[[Event], object]) -> None:
+    """Feed every event of the log to ``feed`` until its end, holding ``lease``."""
     lease.adopted = True
     sub = ctx.tailer.subscribe(rid, None)
     READERS.inc()
     try:
         async for batch in _until_lost(sub):
             for _eid, event in batch:
-                agg.add(event)
+                feed(event)
                 if isinstance(event, End):
                     lease.delivered = event.completion_tokens
-                    return agg
+                    return
     finally:
         sub.close()
         READERS.dec()
         await lease.release()
-    return agg
 
 
 async def cold_frames(
@@ -252,18 +257,5 @@ async def response_collect(
 ) -> ResponsesRenderer:
     """Wait for the whole response (a non-streaming client, holding ``lease``)."""
     renderer = response_renderer(rid, created)
-    lease.adopted = True
-    sub = ctx.tailer.subscribe(rid, None)
-    READERS.inc()
-    try:
-        async for batch in _until_lost(sub):
-            for _eid, event in batch:
-                renderer.feed(event)
-                if isinstance(event, End):
-                    lease.delivered = event.completion_tokens
-                    return renderer
-    finally:
-        sub.close()
-        READERS.dec()
-        await lease.release()
+    await _until_end(ctx, rid, lease, renderer.feed)
     return renderer
