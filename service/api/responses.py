@@ -147,6 +147,8 @@ def listed(rid: str, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def check(body: ResponsesRequest) -> None:
     """What this server cannot honour yet: a 400 naming it."""
+    if isinstance(body.input, list) and not body.input:
+        raise InvalidRequest("'input' must not be empty", param="input")
     if body.store is False and body.background:
         raise InvalidRequest(
             "background mode needs 'store': true (its answer is read back later)",

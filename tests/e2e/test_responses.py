@@ -177,10 +177,14 @@ def test_what_cannot_be_honoured_is_a_400(stack: Stack, sdk: OpenAI) -> None:
     for extra, param in [
         ({"store": False, "background": True}, "store"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
+        ({"input": []}, "input"),
+        ({"input": [{"role": "user", "content": "x", "colour": 1}]}, "input.0.colour"),
+        ({"input": [{"type": "web_search_call"}]}, "input.0.type"),
         ({"reasoning": {"effort": "low"}}, "reasoning"),
     ]:
         with pytest.raises(BadRequestError) as err:
-            sdk.responses.create(model=stack.model, input="hi", extra_body=extra)
+            kw = {"input": "hi", **extra}
+            sdk.responses.create(model=stack.model, **kw)  # type: ignore[call-overload]
         body = err.value.body
         assert isinstance(body, dict) and param in (body.get("param") or ""), body
 
