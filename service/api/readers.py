@@ -215,13 +215,18 @@ async def response_frames(
     created: Created,
     after: int | None = None,
     lease: Lease | None = None,
+    logged: Batch | None = None,
 ) -> AsyncIterator[bytes]:
-    """The request's Responses events after sequence number ``after``, until its end.
+    """The request's Responses events after sequence number ``after``, until its end;
+    ``logged``: its log as the caller just read it (from the first entry), so that the
+    tail goes on from there instead of reading it again.
 
     The renderer counts the events from the log's start, so the log is always read from
     its first entry, and never coalesced (merged deltas would renumber what follows)."""
     renderer = response_renderer(rid, created)
     sub = ctx.tailer.subscribe(rid, None)
+    if logged:
+        sub.offer(logged)
     if lease is None:
         try:
             lease = await ctx.presence.acquire(rid)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from service.api.auth import Principal
 from service.api.context import Context
-from service.api.contract import Output, check_engine
+from service.api.contract import Output, chat_output, chat_prompt, check_engine
 from service.api.schemas import ChatCompletionRequest, CompletionRequest
 from service.errors import Forbidden, InvalidRequest, NotFound
 from service.store.keys import principal as who
@@ -211,6 +211,35 @@ def submission(
         n=body.n or 1,
         tools=output.tools,
         user=body.user,
+    )
+
+
+def chat_submission(
+    ctx: Context,
+    body: ChatCompletionRequest,
+    kind: Kind,
+    max_tokens: int | None,
+    *,
+    max_param: str | None = None,
+    prompt_param: str = "messages",
+) -> Submission:
+    """A chat request (a chat completion, or what a response asks for) checked, its
+    output resolved and its conversation rendered; ``max_param`` / ``prompt_param``: the
+    client's names of the two, in the 400s. (The caller has checked the model.)"""
+    output = chat_output(body, ctx.model, ctx.settings.tool_parser)
+    try:
+        text = chat_prompt(ctx.model, body)
+    except Exception as exc:  # noqa: BLE001 - the template rejects the conversation
+        raise InvalidRequest(f"invalid {prompt_param}: {exc}", param=prompt_param) from None
+    return submission(
+        ctx,
+        body,
+        kind,
+        ctx.model.encode(text),
+        max_tokens,
+        output,
+        max_param=max_param,
+        prompt_param=prompt_param,
     )
 
 

@@ -16,12 +16,13 @@ from litestar.response import Stream
 from service.api import tokens
 from service.api.auth import Principal
 from service.api.context import Context
-from service.api.contract import chat_output, chat_prompt, check_refused, completion_output
+from service.api.contract import check_refused, completion_output
 from service.api.metrics import REQUESTS
 from service.api.readers import collect, nothing_after, sse_frames
 from service.api.schemas import ChatCompletionRequest, CompletionRequest, error_responses
 from service.api.submit import (
     Submission,
+    chat_submission,
     check_model,
     foreign_cursor,
     new_request_id,
@@ -228,14 +229,8 @@ class CompletionsController(Controller):
         check_refused(data)
         if not data.messages:
             raise InvalidRequest("'messages' must not be empty", param="messages")
-        output = chat_output(data, ctx.model, ctx.settings.tool_parser)
-        try:
-            text = chat_prompt(ctx.model, data)
-        except Exception as exc:  # noqa: BLE001 - the template rejects the conversation
-            raise InvalidRequest(f"invalid messages: {exc}", param="messages") from None
-        prompt_ids = ctx.model.encode(text)
         max_tokens = data.max_completion_tokens or data.max_tokens
-        sub = submission(ctx, data, Kind.CHAT, prompt_ids, max_tokens, output)
+        sub = chat_submission(ctx, data, Kind.CHAT, max_tokens)
         return await _answer(ctx, request, data, sub, principal)
 
     @post(

@@ -22,7 +22,6 @@ from litestar.response import Stream
 
 from service.api.auth import Principal
 from service.api.context import Context
-from service.api.contract import chat_output, chat_prompt
 from service.api.readers import (
     response_collect,
     response_frames,
@@ -43,7 +42,13 @@ from service.api.routes.completions import REQUEST_ID_HEADER, JsonBodyRequest, u
 from service.api.routes.requests import cancel_request
 from service.api.schemas import ChatCompletionRequest, error_responses
 from service.api.status import ledger_row
-from service.api.submit import check_model, checked_request_id, no_such_request, submission, submit
+from service.api.submit import (
+    chat_submission,
+    check_model,
+    checked_request_id,
+    no_such_request,
+    submit,
+)
 from service.errors import InvalidRequest, NotFound
 from service.stream import sse
 from service.stream.events import Created, End, Event, Kind
@@ -58,10 +63,18 @@ def _chat(data: ResponsesRequest, items: list[dict[str, Any]]) -> ChatCompletion
         raise InvalidRequest(f"invalid input: {exc}", param="input") from None
 
 
-async def _entries(ctx: Context, rid: str, principal: Principal) -> list[tuple[EventId, Event]]:
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Found:
+    created: Created
+    entries: list[tuple[EventId, Event]]
+    hot: bool  # read from Redis (else from the archive: it has ended)
+
+
+async def _entries(ctx: Context, rid: str, principal: Principal) -> _Found:
     """The response's log, hot or archived; 404 for another tenant's or a non-response."""
     entries = await ctx.log.read(checked_request_id(rid))
-    if not entries and ctx.ledger is not None:
+    hot = bool(entries)
+    if not hot and ctx.ledger is not None:
         entries = await ctx.ledger.archived(rid) or []
     created = entries[0][1] if entries else None
     if (
@@ -70,34 +83,30 @@ async def _entries(ctx: Context, rid: str, principal: Principal) -> list[tuple[E
         or created.kind != Kind.RESPONSE
     ):
         raise no_such_request(rid)
-    return entries
+    return _Found(created, entries, hot)
 
 
 async def _continued(ctx: Context, principal: Principal, rid: str) -> list[dict[str, Any]]:
     """The conversation so far of ``previous_response_id``: its whole input (which holds
     the turns before it) and its output, as input items; hot or from the archive."""
     try:
-        entries = await _entries(ctx, rid, principal)
+        found = await _entries(ctx, rid, principal)
     except NotFound:
         raise NotFound(
             f"no response '{rid[:64]}'", param="previous_response_id", code="not_found"
         ) from None
-    created = entries[0][1]
-    assert isinstance(created, Created)
-    before = _object(rid, entries)
+    before = _object(rid, found)
     if before["status"] in ("queued", "in_progress"):
         raise InvalidRequest(
             f"response '{rid}' has not ended: its output cannot be continued yet",
             param="previous_response_id",
         )
-    return kept(created.response)[1] + as_input(before["output"])
+    return kept(found.created.response)[1] + as_input(before["output"])
 
 
-def _object(rid: str, entries: list[tuple[EventId, Event]]) -> dict[str, Any]:
-    created = entries[0][1]
-    assert isinstance(created, Created)
-    renderer = response_renderer(rid, created)
-    for _, event in entries:
+def _object(rid: str, found: _Found) -> dict[str, Any]:
+    renderer = response_renderer(rid, found.created)
+    for _, event in found.entries:
         renderer.feed(event)
     return renderer.response_object()
 
@@ -126,18 +135,11 @@ class ResponsesController(Controller):
             items = await _continued(ctx, principal, data.previous_response_id) + items
         chat = _chat(data, items)
         check_model(ctx, chat, principal)
-        output = chat_output(chat, ctx.model, ctx.settings.tool_parser)
-        try:
-            prompt_ids = ctx.model.encode(chat_prompt(ctx.model, chat))
-        except Exception as exc:  # noqa: BLE001 - the template rejects the conversation
-            raise InvalidRequest(f"invalid input: {exc}", param="input") from None
-        sub = submission(
+        sub = chat_submission(
             ctx,
             chat,
             Kind.RESPONSE,
-            prompt_ids,
             data.max_output_tokens,
-            output,
             max_param="max_output_tokens",
             prompt_param="input",
         )
@@ -190,17 +192,15 @@ class ResponsesController(Controller):
             after = int(header)
         if after is not None and not stream:
             raise InvalidRequest("'starting_after' needs 'stream=true'", param="starting_after")
-        entries = await _entries(ctx, response_id, principal)
+        found = await _entries(ctx, response_id, principal)
         headers = {REQUEST_ID_HEADER: response_id}
         if not stream:
-            return Response(_object(response_id, entries), headers=headers)
-        created = entries[0][1]
-        assert isinstance(created, Created)
-        if await ctx.log.meta(response_id) is not None:  # hot: follow it to its end
-            frames = response_frames(ctx, response_id, created, after)
+            return Response(_object(response_id, found), headers=headers)
+        if found.hot:  # follow it to its end, from what was just read
+            frames = response_frames(ctx, response_id, found.created, after, logged=found.entries)
             return Stream(frames, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **headers})
         rendered = frames_after(
-            response_renderer(response_id, created), (e for _, e in entries), after
+            response_renderer(response_id, found.created), (e for _, e in found.entries), after
         )
         body = sse.retry_line(ctx.settings.reconnect_hint_ms) + response_sse(rendered)
         return Response(body, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **headers})
@@ -212,7 +212,7 @@ class ResponsesController(Controller):
         responses=error_responses(401, 404),
     )
     async def cancel(self, ctx: Context, principal: Principal, response_id: str) -> dict[str, Any]:
-        await _entries(ctx, response_id, principal)
+        await _entries(ctx, response_id, principal)  # (a response of this tenant's)
         await cancel_request(ctx, principal, response_id)
         return _object(response_id, await _entries(ctx, response_id, principal))
 
@@ -236,10 +236,8 @@ class ResponsesController(Controller):
             raise InvalidRequest("'order' is 'asc' or 'desc'", param="order")
         if not 1 <= limit <= 100:
             raise InvalidRequest(f"'limit' is {limit}; 1 to 100", param="limit")
-        entries = await _entries(ctx, response_id, principal)
-        created = entries[0][1]
-        assert isinstance(created, Created)
-        data = listed(response_id, kept(created.response)[1])
+        found = await _entries(ctx, response_id, principal)
+        data = listed(response_id, kept(found.created.response)[1])
         if order == "desc":
             data.reverse()
         if after is not None:
@@ -266,8 +264,8 @@ class ResponsesController(Controller):
         """A running response is cancelled first. The hot log goes at once; the archive
         once the recorder has written the billing row (waited for, so that a recorder
         that read the log just before cannot archive it after the delete)."""
-        entries = await _entries(ctx, response_id, principal)
-        if not isinstance(entries[-1][1], End):
+        found = await _entries(ctx, response_id, principal)
+        if not isinstance(found.entries[-1][1], End):
             await cancel_request(ctx, principal, response_id)
         await ctx.log.delete(response_id)
         if ctx.ledger is not None:
