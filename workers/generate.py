@@ -43,9 +43,9 @@ class Outcome:
     handed_over: bool = False  # stopped for another worker to continue: no terminal event
 
 
-def engine_ids(request_id: str, n: int) -> list[str]:
-    """The engine's request id of each choice (choice 0's is the request's)."""
-    return [request_id if i == 0 else f"{request_id}/{i}" for i in range(n)]
+def engine_id(request_id: str, index: int) -> str:
+    """The engine's request id of choice ``index`` (choice 0's is the request's)."""
+    return request_id if index == 0 else f"{request_id}/{index}"
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -81,8 +81,8 @@ class Generation:
 
     async def abort(self, request_id: str) -> None:
         """Abort every choice of a request in the engine."""
-        for eid in engine_ids(request_id, self._choices.get(request_id, 1)):
-            await self.engine.abort(eid)
+        for index in range(self._choices.get(request_id, 1)):
+            await self.engine.abort(engine_id(request_id, index))
 
     async def run(
         self,
@@ -119,8 +119,12 @@ class Generation:
 
     async def _merged(self, job: Job, owner: Owner, outcomes: Sequence[Outcome]) -> Outcome:
         """The choices' outcomes as the request's: their last deltas, then one End."""
-        ends = [o.events[-1] for o in outcomes]
-        assert all(isinstance(e, End) for e in ends)
+        ends: list[End] = []
+        for o in outcomes:
+            last = o.events[-1] if o.events else None
+            assert o.handed_over or isinstance(last, End)
+            if isinstance(last, End):
+                ends.append(last)
         starts = [o.first_token_at for o in outcomes if o.first_token_at is not None]
         first_token_at = min(starts) if starts else None
         if any(o.handed_over for o in outcomes):
@@ -130,7 +134,7 @@ class Generation:
             if done:
                 await self.batcher.append(owner, done, give_up_at=job.deadline_unix_s)
             return Outcome([], first_token_at, handed_over=True)
-        total = sum(e.completion_tokens for e in ends if isinstance(e, End))
+        total = sum(e.completion_tokens for e in ends)
         prompt = len(job.prompt_token_ids)
         failed = [o for o in outcomes if o.error_code is not None]
         if failed:  # the engine's own error first, not a sibling's abort that it caused
@@ -144,16 +148,15 @@ class Generation:
             )
             return Outcome([*error, end], first_token_at, first.error_code)
         deltas = [e for o in outcomes for e in o.events[:-1]]
-        states = {e.state for e in ends if isinstance(e, End)}
+        states = {e.state for e in ends}
         state = next(iter(states)) if len(states) == 1 else str(State.FINISHED)
         covered = None
         if any(o.covered_tokens is not None for o in outcomes):
             covered = sum(
                 o.covered_tokens if o.covered_tokens is not None else e.completion_tokens
                 for o, e in zip(outcomes, ends, strict=True)
-                if isinstance(e, End)
             )
-        reasons = [e.finish_reason for e in ends if isinstance(e, End)]
+        reasons = [e.finish_reason for e in ends]
         end = End(
             state=state,
             finish_reason=reasons[0],
@@ -164,15 +167,14 @@ class Generation:
         return Outcome([*deltas, end], first_token_at, covered_tokens=covered)
 
     def _assembler(
-        self, job: Job, index: int, logged: Sequence[Delta]
-    ) -> tuple[Assembler, StepResult | None]:
+        self, job: Job, index: int, logged: Sequence[Delta], stop_ids: Sequence[int]
+    ) -> tuple[Assembler, StepResult]:
         """Choice ``index``'s assembler: new, or rebuilt from its logged deltas (with what
         it releases at once)."""
         fmt = job.tools
         tools = None if fmt is None else parser_for(fmt, call_ids(job.request_id, index))
         token_text = None if job.params.logprobs is None else self._token_text
-        stop_ids = (*self.model.eos_token_ids, *job.params.stop_token_ids)
-        asm, now = Assembler.resume(  # (from no deltas: a new one, releasing nothing)
+        return Assembler.resume(  # (from no deltas: a new one, releasing nothing)
             self.model.tokenizer,
             logged,
             prompt_tokens=len(job.prompt_token_ids),
@@ -182,7 +184,6 @@ class Generation:
             token_text=token_text,
             index=index,
         )
-        return asm, now if logged else None
 
     async def _choice(
         self,
@@ -194,15 +195,15 @@ class Generation:
         handing_over: Container[str],
     ) -> Outcome:
         rid = job.request_id
-        eid = engine_ids(rid, index + 1)[index]
+        eid = engine_id(rid, index)
         params = choice_params(job.params, index)
-        stop_ids = frozenset((*self.model.eos_token_ids, *params.stop_token_ids))
+        stop_ids = (*self.model.eos_token_ids, *params.stop_token_ids)
         try:
-            asm, now = self._assembler(job, index, logged)
+            asm, now = self._assembler(job, index, logged, stop_ids)
         except ResumeMismatch as exc:
             fresh = Assembler(self.model.tokenizer, prompt_tokens=len(job.prompt_token_ids))
             return Outcome(fresh.fail("resume_failed", str(exc)), None, "resume_failed")
-        if now is not None:
+        if logged:
             if now.events:
                 await self.batcher.append(owner, now.events, give_up_at=job.deadline_unix_s)
             made = asm.token_ids

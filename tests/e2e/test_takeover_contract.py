@@ -115,3 +115,27 @@ def test_killed_while_writing_two_choices_both_go_on(stack: Stack) -> None:  # n
     # each choice billed once: no token of the killed worker's counted twice, none lost
     assert row["completion_tokens"] == 2 * one.json()["usage"]["completion_tokens"], row
     reconcile_clean(st, since)
+
+
+def test_a_stopping_worker_hands_over_two_choices(stack: Stack) -> None:  # noqa: F811
+    """SIGTERM while a worker writes two choices: both are handed over together, and the
+    next worker finishes each from its own deltas -- both whole, one handover."""
+    st, since = stack, now()
+    slow = {"worker_drain_s": 0.2, "scripted_tokens_per_s": 15.0}
+    procs = {"a": st.start_worker("a", **slow)}
+    st.start_api()
+    question = "Handed over with two choices: " + "Zürich 東京 🤖 " * 8
+    clients = start_streams(st, [Stream(question, {"n": 2})])
+    clients.wait_started()
+    [s] = clients.streams
+    st.start_worker("b", **slow)
+    procs["a"].send_signal(signal.SIGTERM)
+    assert procs["a"].wait(timeout=60) == 0, st.tail("a")
+    clients.join()
+    choices = choices_of(s.events)
+    assert sorted(choices) == [0, 1]
+    for c in choices.values():
+        assert c["content"] == question and c["finish"] == "stop"
+    row = ledger_row(st.settings.database_url or "", s.request_id, timeout_s=60)
+    assert row is not None and row["state"] == "finished" and row["handovers"] == 1, row
+    reconcile_clean(st, since)
