@@ -198,7 +198,7 @@ class Bench:
         self.st = st
         self.args = args
         self.redis = redis.Redis.from_url(st.settings.redis_url or "")
-        self.keys = Keys(st.settings.key_prefix)
+        self.keys = Keys(st.settings.key_prefix, st.settings.partitions)
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self.count = 0
 

@@ -33,6 +33,10 @@ class Settings:
     model_dir: Path | None = None  # default: <data_dir>/models/<model_name>
     model_name: str = MODEL_NAME
     key_prefix: str = "le"  # every Redis key starts with it (tests use random ones)
+    redis_cluster: bool = False  # LASTEVENT_REDIS_URL names a node of a Redis Cluster
+    # requests are spread over this many partitions, one cluster slot each (the same in
+    # every process; changed only with no request in flight): keys.py
+    partitions: int = 1
 
     # API
     host: str = "127.0.0.1"

@@ -63,7 +63,7 @@ def build_engine(settings: Settings, model: ModelInfo) -> Engine:
 
 
 def build_recorder(settings: Settings, redis: Redis, ledger: Ledger) -> Recorder:
-    keys = Keys(settings.key_prefix)
+    keys = Keys(settings.key_prefix, settings.partitions)
     return Recorder(
         Outbox(redis, keys),
         RedisLog(redis, keys),
@@ -81,7 +81,7 @@ async def serve(settings: Settings) -> None:
     model = ModelInfo.load(settings.resolved_model_dir, settings.model_name)
     engine = build_engine(settings, model)
     await engine.start()
-    redis = connect(settings.redis_url, max_connections=64)
+    redis = connect(settings.redis_url, max_connections=64, cluster=settings.redis_cluster)
     runner = Runner(settings, redis, engine, model)
     db = make_engine(settings.database_url) if settings.database_url else None
     recorder = None
@@ -144,7 +144,7 @@ def dump_tasks() -> None:
 async def serve_recorder(settings: Settings) -> None:
     if not settings.redis_url or not settings.database_url:
         raise SystemExit("LASTEVENT_REDIS_URL and LASTEVENT_DATABASE_URL must be set")
-    redis = connect(settings.redis_url, max_connections=8)
+    redis = connect(settings.redis_url, max_connections=8, cluster=settings.redis_cluster)
     db = make_engine(settings.database_url)
     recorder = build_recorder(settings, redis, Ledger(db))
     loop = asyncio.get_running_loop()

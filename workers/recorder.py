@@ -17,6 +17,7 @@ Every worker runs one (``LASTEVENT_RECORDER_IN_WORKER``); ``lastevent recorder``
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -24,7 +25,7 @@ import time
 from redis.exceptions import RedisError
 
 from service.ledger.ledger import Ledger
-from service.store.log import RedisLog
+from service.store.log import RedisLog, free_slots
 from service.store.outbox import Entry, Outbox
 from service.stream import archive
 
@@ -54,20 +55,23 @@ class Recorder:
         self.claim_idle_ms = claim_idle_ms
         self.retention_s = retention_s
         self.crash_after_insert = crash_after_insert  # fault injection for tests
-        self._backlog = True  # read our own pending entries first
-        self._last_claim = 0.0
         self._stopping = asyncio.Event()
 
     def stop(self) -> None:
         self._stopping.set()
 
     async def run(self) -> None:
+        """One loop per partition's outbox."""
         await self.outbox.ensure_group()
+        await asyncio.gather(*(self._run(p) for p in self.outbox.keys.all_partitions))
+
+    async def _run(self, partition: int) -> None:
+        state = _Reading()
         backoff = 0.2
         while not self._stopping.is_set():
             try:
-                for entry in await self._next_entries():
-                    await self._record(entry)
+                for entry in await self._next_entries(partition, state):
+                    await self._record(partition, entry)
                 backoff = 0.2
             except RedisError as exc:
                 log.warning("recorder: redis error (retrying in %.1fs): %s", backoff, exc)
@@ -77,27 +81,30 @@ class Recorder:
                 log.warning(
                     "recorder: ledger write failed (retrying in %.1fs)", backoff, exc_info=True
                 )
-                self._backlog = True
+                state.backlog = True
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
 
-    async def _next_entries(self) -> list[Entry]:
-        if time.monotonic() - self._last_claim > max(1.0, self.claim_idle_ms / 2000):
-            self._last_claim = time.monotonic()
-            if await self.outbox.claim_idle(self.consumer, self.claim_idle_ms, self.batch):
-                self._backlog = True
-            await self.outbox.trim(int((time.time() - self.retention_s) * 1000))
+    async def _next_entries(self, partition: int, state: _Reading) -> list[Entry]:
+        if time.monotonic() - state.last_claim > max(1.0, self.claim_idle_ms / 2000):
+            state.last_claim = time.monotonic()
+            claimed = await self.outbox.claim_idle(
+                partition, self.consumer, self.claim_idle_ms, self.batch
+            )
+            if claimed:
+                state.backlog = True
+            await self.outbox.trim(partition, int((time.time() - self.retention_s) * 1000))
         entries = await self.outbox.read(
-            self.consumer, self.batch, pending=self._backlog, block_ms=self.block_ms
+            partition, self.consumer, self.batch, pending=state.backlog, block_ms=self.block_ms
         )
-        if self._backlog and not entries:
-            self._backlog = False
+        if state.backlog and not entries:
+            state.backlog = False
         return entries
 
-    async def _record(self, entry: Entry) -> None:
+    async def _record(self, partition: int, entry: Entry) -> None:
         entry_id, found = entry
         if found is None:  # trimmed while pending: nothing left to record
-            await self.outbox.ack(entry_id)
+            await self.outbox.ack(partition, entry_id)
             return
         summary, end_id = found
         packed = None
@@ -113,4 +120,16 @@ class Recorder:
         await self.ledger.record(summary, end_id, packed)
         if self.crash_after_insert:
             os._exit(17)  # committed, not acked: the entry must be delivered again
-        await self.outbox.ack(entry_id)
+        # the admission slot, in case the process that wrote the end died before freeing it
+        if summary.tenant is not None:
+            slot = self.outbox.keys.inflight_of(summary.tenant, summary.api_key_id)
+            await free_slots(self.outbox.redis, [(slot, summary.request_id)])
+        await self.outbox.ack(partition, entry_id)
+
+
+@dataclasses.dataclass(slots=True)
+class _Reading:
+    """A partition loop's state: read its own pending entries first (``backlog``)."""
+
+    backlog: bool = True
+    last_claim: float = 0.0

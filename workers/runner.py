@@ -64,7 +64,7 @@ class Runner:
     def __init__(self, settings: Settings, redis: Redis, engine: Engine, model: ModelInfo) -> None:
         self.settings = settings
         self.engine = engine
-        self.keys = keys = Keys(settings.key_prefix)
+        self.keys = keys = Keys(settings.key_prefix, settings.partitions)
         self.log = RedisLog(redis, keys)
         self.queue = RequestQueue(redis, keys)
         self.heartbeats = Heartbeats(redis, keys)
@@ -109,7 +109,13 @@ class Runner:
             await self.batcher.close()
 
     async def _claim_loop(self) -> None:
+        """One claim loop per partition, all taking from the worker's slots (with more
+        partitions than slots, a partition whose loop waits for a slot is read when a
+        loop holding one times out: within ``block_ms``)."""
         slots = asyncio.Semaphore(self.settings.worker_concurrency)
+        await asyncio.gather(*(self._claim(p, slots) for p in self.keys.all_partitions))
+
+    async def _claim(self, partition: int, slots: asyncio.Semaphore) -> None:
         lost_reply = True  # at start: jobs a previous run under this id left pending
         while not self._stopping.is_set():
             await slots.acquire()
@@ -119,7 +125,11 @@ class Runner:
                 taken += 1
             try:
                 jobs = await self.queue.read(
-                    self.settings.worker_id, count=taken, block_ms=500, pending=lost_reply
+                    partition,
+                    self.settings.worker_id,
+                    count=taken,
+                    block_ms=500,
+                    pending=lost_reply,
                 )
                 lost_reply = False
             except Exception:  # Redis trouble, or a job that does not decode
@@ -209,7 +219,7 @@ class Runner:
         try:
             owner = await self.log.claim(rid, self.settings.worker_id, entry_id)
             if owner is None:  # expired, ended, or queued again (this worker was frozen)
-                await self.queue.ack(entry_id)
+                await self.queue.ack(self.keys.partition(rid), entry_id)
                 return
             dispatched_ms = int(time.time() * 1000)
             first = await self.log.first_with_id(rid)
@@ -227,7 +237,7 @@ class Runner:
                 await self._hand_over(entry_id, job, owner)
                 return
             await self._end(job, owner, first, outcome, dispatched_ms, recovery)
-            await self.queue.ack(entry_id)
+            await self.queue.ack(self.keys.partition(rid), entry_id)
             took_ms = time.time() * 1000 - dispatched_ms
             self.mean_service_ms = (
                 took_ms
@@ -244,7 +254,7 @@ class Runner:
             await self._end_errored(entry_id, job, owner, "log_lost", LOG_LOST)
         except LogError as exc:
             log.warning("request %s: %s", rid, exc)
-            await self.queue.ack(entry_id)
+            await self.queue.ack(self.keys.partition(rid), entry_id)
         except Exception:
             log.exception("request %s failed in the worker", rid)
             await self._end_errored(entry_id, job, owner, "internal_error", INTERNAL)
@@ -382,7 +392,7 @@ class Runner:
                 if owner is None:  # it failed before (or while) taking ownership
                     owner = await self.log.claim(rid, self.settings.worker_id, entry_id)
                     if owner is None:  # ended or expired meanwhile
-                        await self.queue.ack(entry_id)
+                        await self.queue.ack(self.keys.partition(rid), entry_id)
                         return
                 await self.log.end_errored(
                     rid,
@@ -393,11 +403,11 @@ class Runner:
                     worker_id=self.settings.worker_id,
                     prompt_tokens=len(job.prompt_token_ids),
                 )
-                await self.queue.ack(entry_id)
+                await self.queue.ack(self.keys.partition(rid), entry_id)
                 return
             except (Fenced, AlreadyEnded):
                 with contextlib.suppress(RedisError):
-                    await self.queue.ack(entry_id)
+                    await self.queue.ack(self.keys.partition(rid), entry_id)
                 return
             except Exception:
                 if time.time() > self._give_up_at(job):

@@ -157,10 +157,13 @@ async def serving(settings: Settings, model: ModelInfo, drain: Drain) -> AsyncIt
     """The process's clients, stores and background tasks, for as long as it serves."""
     if not settings.redis_url:
         raise RuntimeError("LASTEVENT_REDIS_URL is not set (use `lastevent up` for embedded)")
-    redis = connect(settings.redis_url, max_connections=256)
+    redis = connect(settings.redis_url, max_connections=256, cluster=settings.redis_cluster)
     # the tailer's XREAD BLOCK outlives redis-py's default 5 s socket timeout
     tail_redis = connect(
-        settings.redis_url, max_connections=64, socket_timeout=settings.tail_block_ms / 1000 + 5
+        settings.redis_url,
+        max_connections=64,
+        cluster=settings.redis_cluster,
+        socket_timeout=settings.tail_block_ms / 1000 + 5,
     )
     ledger = Ledger(make_engine(settings.database_url)) if settings.database_url else None
     ctx = _context(settings, model, drain, redis, tail_redis, ledger)
@@ -203,7 +206,7 @@ def _context(
     tail_redis: Redis,
     ledger: Ledger | None,
 ) -> Context:
-    keys = Keys(settings.key_prefix)
+    keys = Keys(settings.key_prefix, settings.partitions)
     tailer = LogTailer(
         tail_redis,
         keys,

@@ -71,30 +71,30 @@ class Sweeper:
         swept = 0
         now_ms = time.time() * 1000
         stale_ms = int(self.stale_s * 1000)
-        for consumer in await self.queue.consumers_with_pending():
-            beat = await self.heartbeats.get(consumer)
-            alive = beat is not None and beat.fresh(now_ms, self.stale_s)
-            served = beat.running if alive and beat is not None else frozenset()
-            orphans = [
-                p
-                for p in await self.queue.pending(consumer)
-                if p.idle_ms >= stale_ms and (p.job is None or p.job.request_id not in served)
-            ]
-            taken = set(
-                await self.queue.take([p.entry_id for p in orphans], self.sweeper_id, stale_ms)
-            )
-            for p in orphans:
-                if p.entry_id not in taken:
-                    continue  # another sweeper took it, or the worker acted meanwhile
-                if p.job is None:
-                    await self.queue.ack(p.entry_id)
-                else:
-                    await self._requeue(p.entry_id, p.job, consumer)
-                swept += 1
+        for part in self.queue.keys.all_partitions:
+            for consumer in await self.queue.consumers_with_pending(part):
+                beat = await self.heartbeats.get(consumer)
+                alive = beat is not None and beat.fresh(now_ms, self.stale_s)
+                served = beat.running if alive and beat is not None else frozenset()
+                orphans = [
+                    p
+                    for p in await self.queue.pending(part, consumer)
+                    if p.idle_ms >= stale_ms and (p.job is None or p.job.request_id not in served)
+                ]
+                entries = [p.entry_id for p in orphans]
+                taken = set(await self.queue.take(part, entries, self.sweeper_id, stale_ms))
+                for p in orphans:
+                    if p.entry_id not in taken:
+                        continue  # another sweeper took it, or the worker acted meanwhile
+                    if p.job is None:
+                        await self.queue.ack(part, p.entry_id)
+                    else:
+                        await self._requeue(part, p.entry_id, p.job, consumer)
+                    swept += 1
         self.swept += swept
         return swept
 
-    async def _requeue(self, entry_id: bytes, job: Job, worker: str) -> None:
+    async def _requeue(self, part: int, entry_id: bytes, job: Job, worker: str) -> None:
         rid = job.request_id
         done = await self.queue.requeue(
             rid,
@@ -118,7 +118,7 @@ class Sweeper:
                 f"workers were lost {times} times (at most {self.max_takeovers} takeovers)",
             )
         # else: it ended, or waits behind another entry: this one is stale
-        await self.queue.ack(entry_id)
+        await self.queue.ack(part, entry_id)
 
     async def end_unclaimed(self) -> int:
         """End the requests queued again for a takeover that no worker took in time."""

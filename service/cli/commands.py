@@ -62,9 +62,9 @@ class Stores:
     def __init__(self, settings: Settings) -> None:
         if not settings.redis_url or not settings.database_url:
             raise SystemExit("LASTEVENT_REDIS_URL and LASTEVENT_DATABASE_URL must be set")
-        self.redis = connect(settings.redis_url, max_connections=4)
+        self.redis = connect(settings.redis_url, max_connections=4, cluster=settings.redis_cluster)
         self.engine = make_engine(settings.database_url)
-        keys = Keys(settings.key_prefix)
+        keys = Keys(settings.key_prefix, settings.partitions)
         self.log = RedisLog(self.redis, keys)
         self.outbox = Outbox(self.redis, keys)
         self.ledger = Ledger(self.engine)

@@ -77,9 +77,9 @@ def _wait_until_serving(settings: Settings, children: list[subprocess.Popen[byte
     deadline = time.monotonic() + 300
 
     async def workers() -> int:
-        redis = connect(settings.redis_url or "", max_connections=1)
+        redis = connect(settings.redis_url or "", max_connections=1, cluster=settings.redis_cluster)
         try:
-            return await Heartbeats(redis, Keys(settings.key_prefix)).count()
+            return await Heartbeats(redis, Keys(settings.key_prefix, settings.partitions)).count()
         finally:
             await redis.aclose()
 

@@ -24,8 +24,9 @@ from redis.exceptions import RedisError
 
 from service.store import replies, scripts
 from service.store.keys import Keys
+from service.store.log import free_slots
 from service.stream import events as ev
-from service.stream.lifecycle import Meta
+from service.stream.lifecycle import Meta, State
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +72,16 @@ class Control:
         keys = [
             self.keys.meta(rid),
             self.keys.log(rid),
-            self.keys.outbox,
+            self.keys.outbox_of(rid),
             self.keys.scratch(rid),
-            self.keys.inflight_of(created.tenant, created.api_key_id),
         ]
-        args: list[Any] = [ev.encode(queued_end), ttl_s, ev.encode_summary(queued_summary), rid]
+        args: list[Any] = [ev.encode(queued_end), ttl_s, ev.encode_summary(queued_summary)]
         parts = replies.texts(await self._cancel(keys=keys, args=args))
         outcome = CancelOutcome(parts[0], parts[1] if len(parts) > 1 else None)
+        if outcome.outcome == str(State.CANCELLED) and outcome.detail:  # ended here
+            await free_slots(
+                self.redis, [(self.keys.inflight_of(created.tenant, created.api_key_id), rid)]
+            )
         if outcome.outcome == "cancelling" and outcome.detail:
             await self.redis.publish(self.keys.control(outcome.detail), f"cancel:{rid}")
         return outcome

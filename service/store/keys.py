@@ -1,13 +1,27 @@
 """Every Redis key the project uses, and the field names of its stream entries.
 
-Per-request keys share the hash tag ``{<request id>}`` so that a request's log
-and meta live in one Redis Cluster slot (the Lua scripts touch both). Units are
-in the names.
+Requests are spread over ``partitions`` (``LASTEVENT_PARTITIONS``; 1 by default): a
+request's partition is a hash of its id, and every key of a partition -- its requests'
+logs, metas, reader leases, and the partition's queue, outbox, orphans and wake streams
+-- carries the partition's hash tag, so that it lives in one Redis Cluster slot. Each
+Lua script touches one partition only, a worker's flush is one script call per
+partition it writes to, and an API process tails each partition with one ``XREAD``.
+The tags are chosen so that partition ``p`` of ``P`` hashes into the ``p``-th ``P``-th of
+the slot range: a cluster made with ``--cluster create`` (contiguous, even slot ranges)
+gets the partitions spread evenly over its primaries. A key's admission counters share
+a tag of their own (``admit.lua`` touches both). Units are in the names.
+
+The partition count must be the same in every process of a deployment, and changed
+only with no request in flight (a request's keys are found by its partition).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import zlib
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 QUEUE_GROUP = "workers"  # the consumer group every worker joins
 EVENT_FIELD = b"e"  # the one field of each log entry: a msgpack-encoded event
@@ -15,6 +29,26 @@ RECORDER_GROUP = "recorders"  # the consumer group that projects the outbox into
 SUMMARY_FIELD = b"s"  # outbox entry: a msgpack-encoded Summary of the ended request
 END_ID_FIELD = b"i"  # outbox entry: the terminal event's id
 JOB_FIELD = b"j"  # the one field of each queue entry: a msgpack-encoded job
+
+
+MAX_PARTITIONS = 1024
+
+
+@functools.cache
+def partition_tags(partitions: int) -> tuple[str, ...]:
+    """Partition ``p``'s hash tag: the first ``p<p>.<n>`` whose slot is in the ``p``-th
+    ``partitions``-th of the slot range."""
+    if not 1 <= partitions <= MAX_PARTITIONS:
+        raise ValueError(f"partitions must be 1..{MAX_PARTITIONS}, not {partitions}")
+    tags = []
+    for p in range(partitions):
+        lo = p * REDIS_CLUSTER_HASH_SLOTS // partitions
+        hi = (p + 1) * REDIS_CLUSTER_HASH_SLOTS // partitions
+        n = 0
+        while not lo <= key_slot(f"p{p}.{n}".encode()) < hi:
+            n += 1
+        tags.append(f"p{p}.{n}")
+    return tuple(tags)
 
 
 def principal(tenant: str, key_id: str | None) -> str:
@@ -25,40 +59,66 @@ def principal(tenant: str, key_id: str | None) -> str:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Keys:
     prefix: str = "le"
+    partitions: int = 1
+
+    def __post_init__(self) -> None:
+        partition_tags(self.partitions)  # (validates the count)
 
     @property
-    def queue(self) -> str:
-        """The request queue (a stream; consumer group ``workers``)."""
-        return f"{self.prefix}:queue"
+    def all_partitions(self) -> range:
+        return range(self.partitions)
+
+    def partition(self, request_id: str) -> int:
+        """The partition a request's keys live in."""
+        if self.partitions == 1:
+            return 0
+        return zlib.crc32(request_id.encode()) % self.partitions
+
+    def _p(self, partition: int) -> str:
+        return f"{self.prefix}:{{{partition_tags(self.partitions)[partition]}}}"
+
+    def _r(self, request_id: str) -> str:
+        return f"{self._p(self.partition(request_id))}:r:{request_id}"
+
+    def queue(self, partition: int) -> str:
+        """A partition's request queue (a stream; consumer group ``workers``)."""
+        return f"{self._p(partition)}:queue"
+
+    def queue_of(self, request_id: str) -> str:
+        return self.queue(self.partition(request_id))
 
     def log(self, request_id: str) -> str:
         """The request's event log (a stream)."""
-        return f"{self.prefix}:{{{request_id}}}:log"
+        return f"{self._r(request_id)}:log"
 
     def meta(self, request_id: str) -> str:
         """The request's control hash: owner epoch, owner, state, last event id, cancel flag,
         resume grace (ms), detached flag, when the last reader left (ms), tokens delivered."""
-        return f"{self.prefix}:{{{request_id}}}:meta"
+        return f"{self._r(request_id)}:meta"
 
-    @property
-    def orphans(self) -> str:
-        """Started requests queued again for another worker to continue (a takeover or a
-        handover): a sorted set, request id -> when to stop waiting for a worker (ms)."""
-        return f"{self.prefix}:orphans"
+    def orphans(self, partition: int) -> str:
+        """A partition's started requests queued again for another worker to continue (a
+        takeover or a handover): a sorted set, request id -> when to stop waiting (ms)."""
+        return f"{self._p(partition)}:orphans"
 
-    @property
-    def outbox(self) -> str:
-        """Terminal summaries, appended atomically with each terminal event (a stream;
-        consumer group ``recorders``)."""
-        return f"{self.prefix}:outbox"
+    def orphans_of(self, request_id: str) -> str:
+        return self.orphans(self.partition(request_id))
+
+    def outbox(self, partition: int) -> str:
+        """A partition's terminal summaries, appended atomically with each terminal event
+        (a stream; consumer group ``recorders``)."""
+        return f"{self._p(partition)}:outbox"
+
+    def outbox_of(self, request_id: str) -> str:
+        return self.outbox(self.partition(request_id))
 
     def scratch(self, request_id: str) -> str:
         """Where a terminal script copies the finished log to right-size it (never left set)."""
-        return f"{self.prefix}:{{{request_id}}}:scratch"
+        return f"{self._r(request_id)}:scratch"
 
     def readers(self, request_id: str) -> str:
         """The request's reader leases: a sorted set of reader tokens scored by expiry (ms)."""
-        return f"{self.prefix}:{{{request_id}}}:readers"
+        return f"{self._r(request_id)}:readers"
 
     def control(self, worker_id: str) -> str:
         """A worker's pub/sub channel: ``cancel:<request id>`` / ``check:<request id>``."""
@@ -74,12 +134,14 @@ class Keys:
         return self.inflight(principal(tenant, key_id))
 
     def inflight(self, principal: str) -> str:
-        """A key's (or tenant's) requests in flight: request id -> expiry (ms)."""
-        return f"{self.prefix}:inflight:{principal}"
+        """A key's (or tenant's) requests in flight: request id -> expiry (ms). Freed at a
+        request's end by the process that wrote the end, and again by the recorder (the
+        writer may die in between); an entry lapses at its expiry at the latest."""
+        return f"{self.prefix}:{{a:{principal}}}:inflight"
 
     def rate(self, principal: str, minute: int) -> str:
         """A key's (or tenant's) request count in one wall-clock minute."""
-        return f"{self.prefix}:rate:{principal}:{minute}"
+        return f"{self.prefix}:{{a:{principal}}}:rate:{minute}"
 
     @property
     def stream_token_secret(self) -> str:
@@ -91,6 +153,7 @@ class Keys:
         """An ``Idempotency-Key`` of a key (or tenant): "<request id> <body digest>"."""
         return f"{self.prefix}:idem:{principal}:{key}"
 
-    def wake(self, process_id: str) -> str:
-        """A per-API-process stream used to wake its multiplexed XREAD BLOCK."""
-        return f"{self.prefix}:wake:{process_id}"
+    def wake(self, partition: int, process_id: str) -> str:
+        """A stream of one tail shard of an API process, in the partition the shard follows,
+        used to wake its multiplexed ``XREAD BLOCK``."""
+        return f"{self._p(partition)}:wake:{process_id}"

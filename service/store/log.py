@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from service.store import replies, scripts
@@ -25,6 +26,18 @@ from service.store.keys import EVENT_FIELD, Keys
 from service.stream import events as ev
 from service.stream.ids import EventId
 from service.stream.lifecycle import Meta, State
+
+
+async def free_slots(redis: Redis, ended: Sequence[tuple[str, str]]) -> None:
+    """Free ended requests' admission slots -- (in-flight set, request id) -- in one
+    pipelined round trip. (Idempotent: the recorder frees them again.)"""
+    pipe = redis.pipeline(transaction=False)
+    for inflight_key, rid in ended:
+        pipe.zrem(inflight_key, rid)
+    try:
+        await pipe.execute()
+    except (RedisError, OSError) as exc:  # the ends are written: the recorder frees them
+        logging.getLogger(__name__).warning("cannot free admission slots: %s", exc)
 
 
 class LogError(Exception):
@@ -109,7 +122,7 @@ class RedisLog:
             self.keys.meta(request_id),
             self.keys.log(request_id),
             self.keys.readers(request_id),
-            self.keys.queue,
+            self.keys.queue_of(request_id),
         ]
         token, expiry_ms = lease if lease is not None else ("", 0)
         args: list[Any] = [
@@ -175,11 +188,35 @@ class RedisLog:
         return result
 
     async def append_many(self, items: Sequence[Append]) -> list[list[EventId] | LogError]:
-        """All of ``items`` in one script call (one round trip, one Redis command); each
-        gets its entry ids, or ``Fenced`` / ``AlreadyEnded`` / ``LogGap`` (that one is not
-        written). Connection errors raise for all; the same items sent again are not
-        written twice where they carry ``expect``."""
-        keys: list[str] = [self.keys.outbox]
+        """All of ``items``, one script call per partition they are in (one round trip:
+        the calls go out together), each gets its entry ids, or ``Fenced`` /
+        ``AlreadyEnded`` / ``LogGap`` (that one is not written). Connection errors raise
+        for all; the same items sent again are not written twice where they carry
+        ``expect``. The admission slots of the requests that ended are freed after."""
+        by_partition: dict[int, list[int]] = {}
+        for i, item in enumerate(items):
+            by_partition.setdefault(self.keys.partition(item.request_id), []).append(i)
+        calls = [
+            self._append_partition(p, [items[i] for i in at]) for p, at in by_partition.items()
+        ]
+        replies_ = await asyncio.gather(*calls)
+        out: list[list[EventId] | LogError] = [LogError("unsent")] * len(items)
+        for at, results in zip(by_partition.values(), replies_, strict=True):
+            for i, result in zip(at, results, strict=True):
+                out[i] = result
+        ended = [
+            (item.inflight_key, item.request_id)
+            for item, result in zip(items, out, strict=True)
+            if item.terminal_state and item.inflight_key and not isinstance(result, LogError)
+        ]
+        if ended:
+            await free_slots(self.redis, ended)
+        return out
+
+    async def _append_partition(
+        self, partition: int, items: Sequence[Append]
+    ) -> list[list[EventId] | LogError]:
+        keys: list[str] = [self.keys.outbox(partition)]
         args: list[bytes | str | int] = []
         for item in items:
             rid = item.request_id
@@ -188,8 +225,6 @@ class RedisLog:
                 self.keys.log(rid),
                 self.keys.readers(rid),
                 self.keys.scratch(rid),
-                # (no slot to free: a key the terminal script leaves absent anyway)
-                item.inflight_key or self.keys.scratch(rid),
             ]
             args += [
                 rid,

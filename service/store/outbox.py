@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 from service.store import groups, replies
 from service.store.keys import END_ID_FIELD, RECORDER_GROUP, SUMMARY_FIELD, Keys
 from service.stream.events import Summary, decode_summary, encode_summary
+from service.stream.ids import EventId
 
 # (outbox entry id, (summary, terminal event id) -- or None for an entry trimmed while pending)
 Entry = tuple[bytes, tuple[Summary, str] | None]
@@ -27,19 +28,24 @@ def _entry(entry_id: bytes, fields: dict[bytes, bytes] | None) -> Entry:
 
 
 class Outbox:
+    """The partitions' outboxes (an entry goes to its request's partition)."""
+
     def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
 
     async def ensure_group(self) -> None:
-        await groups.ensure(self.redis, self.keys.outbox, RECORDER_GROUP)
+        for p in self.keys.all_partitions:
+            await groups.ensure(self.redis, self.keys.outbox(p), RECORDER_GROUP)
 
-    async def read(self, consumer: str, count: int, *, pending: bool, block_ms: int) -> list[Entry]:
-        """``pending``: this consumer's own unacked entries, oldest first (no wait);
-        otherwise new entries, waiting up to ``block_ms`` for one."""
+    async def read(
+        self, partition: int, consumer: str, count: int, *, pending: bool, block_ms: int
+    ) -> list[Entry]:
+        """``pending``: this consumer's own unacked entries of a partition, oldest first
+        (no wait); otherwise new entries, waiting up to ``block_ms`` for one."""
         entries = await groups.read(
             self.redis,
-            self.keys.outbox,
+            self.keys.outbox(partition),
             RECORDER_GROUP,
             consumer,
             pending=pending,
@@ -48,10 +54,10 @@ class Outbox:
         )
         return [_entry(eid, fields) for eid, fields in entries]
 
-    async def claim_idle(self, consumer: str, min_idle_ms: int, count: int) -> int:
+    async def claim_idle(self, partition: int, consumer: str, min_idle_ms: int, count: int) -> int:
         """Take over entries another recorder read but never acked (it died)."""
         reply: Any = await self.redis.xautoclaim(
-            self.keys.outbox,
+            self.keys.outbox(partition),
             RECORDER_GROUP,
             consumer,
             min_idle_time=min_idle_ms,
@@ -60,26 +66,33 @@ class Outbox:
         )
         return len(reply[1])
 
-    async def trim(self, oldest_ms: int) -> None:
-        await self.redis.xtrim(self.keys.outbox, minid=f"{oldest_ms}-0", approximate=True)
+    async def trim(self, partition: int, oldest_ms: int) -> None:
+        await self.redis.xtrim(
+            self.keys.outbox(partition), minid=f"{oldest_ms}-0", approximate=True
+        )
 
-    async def ack(self, entry_id: bytes) -> None:
-        await self.redis.xack(self.keys.outbox, RECORDER_GROUP, entry_id)
+    async def ack(self, partition: int, entry_id: bytes) -> None:
+        await self.redis.xack(self.keys.outbox(partition), RECORDER_GROUP, entry_id)
 
     async def add(self, summary: Summary, end_id: str) -> None:
         """An entry for a request whose log Redis lost (its terminal event cannot be
         written): the ledger still gets its row."""
         await self.redis.xadd(
-            self.keys.outbox, {SUMMARY_FIELD: encode_summary(summary), END_ID_FIELD: end_id}
+            self.keys.outbox_of(summary.request_id),
+            {SUMMARY_FIELD: encode_summary(summary), END_ID_FIELD: end_id},
         )
 
     async def ended_between(self, since_ms: int, until_ms: int) -> list[tuple[Summary, str]]:
-        """Summaries whose terminal event id falls in [since_ms, until_ms)."""
+        """Summaries whose terminal event id falls in [since_ms, until_ms), all partitions."""
         # an entry is written in the same script as its terminal event: same ms or later
-        raw: Any = await self.redis.xrange(self.keys.outbox, min=f"{since_ms}-0", max="+")
+        pipe = self.redis.pipeline(transaction=False)
+        for p in self.keys.all_partitions:
+            pipe.xrange(self.keys.outbox(p), min=f"{since_ms}-0", max="+")
+        found: Any = await pipe.execute()
         out = []
-        for entry_id, fields in raw:
-            _id, found = _entry(entry_id, fields)
-            if found is not None and since_ms <= int(found[1].split("-")[0]) < until_ms:
-                out.append(found)
-        return out
+        for raw in found:
+            for entry_id, fields in raw:
+                _id, entry = _entry(entry_id, fields)
+                if entry is not None and since_ms <= int(entry[1].split("-")[0]) < until_ms:
+                    out.append(entry)
+        return sorted(out, key=lambda e: EventId.parse(e[1]))

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import functools
 from importlib.metadata import version
-from typing import Any
+from typing import Any, cast
 
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -44,12 +44,27 @@ def _retry() -> dict[str, Any]:
     }
 
 
-def connect(url: str, max_connections: int, *, wait_s: float = 30.0, **kwargs: Any) -> Redis:
+def connect(
+    url: str, max_connections: int, *, wait_s: float = 30.0, cluster: bool = False, **kwargs: Any
+) -> Redis:
+    """A client of one Redis, or (``cluster``) of the Redis Cluster ``url`` names a node of.
+
+    A cluster client is typed as ``Redis``: it answers the same commands, routed by key
+    slot (every multi-key call of this project names keys of one slot: ``keys.py``). Its
+    pools are per node and do not wait for a free connection: ``max_connections`` is per
+    node and set higher (the tailer's blocked reads hold one each)."""
     kwargs = {**_driver_info(), **_retry(), **kwargs}
+    if cluster:
+        client = RedisCluster.from_url(url, max_connections=max(4 * max_connections, 64), **kwargs)
+        return cast(Redis, client)
     pool = BlockingConnectionPool.from_url(
         url, max_connections=max_connections, timeout=wait_s, **kwargs
     )
     return Redis.from_pool(pool)
+
+
+def is_cluster(redis: Redis) -> bool:
+    return isinstance(redis, RedisCluster)
 
 
 async def check(redis: Redis) -> str:

@@ -95,28 +95,34 @@ class Pending:
 
 
 class RequestQueue:
+    """The partitions' queues: a job goes to its request's partition; a worker reads each
+    partition (``read``), the sweeper looks at each (``partition`` arguments)."""
+
     def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
         self._requeue = scripts.register(redis, "requeue")
 
     async def ensure_group(self) -> None:
-        await groups.ensure(self.redis, self.keys.queue, QUEUE_GROUP)
+        for p in self.keys.all_partitions:
+            await groups.ensure(self.redis, self.keys.queue(p), QUEUE_GROUP)
 
     async def enqueue(self, job: Job) -> bytes:
         """A job on its own (the API's jobs go in with their log, in ``create.lua``)."""
-        entry_id: Any = await self.redis.xadd(self.keys.queue, {JOB_FIELD: encode_job(job)})
+        entry_id: Any = await self.redis.xadd(
+            self.keys.queue_of(job.request_id), {JOB_FIELD: encode_job(job)}
+        )
         return bytes(entry_id)
 
     async def read(
-        self, consumer: str, count: int, block_ms: int, *, pending: bool = False
+        self, partition: int, consumer: str, count: int, block_ms: int, *, pending: bool = False
     ) -> list[tuple[bytes, Job]]:
-        """New jobs for ``consumer`` (waiting up to ``block_ms``), or with ``pending`` the
-        ones it was handed before and never acked (a reply lost to a connection failure).
-        A group Redis lost (restarted without its data) is made again."""
+        """New jobs of one partition for ``consumer`` (waiting up to ``block_ms``), or with
+        ``pending`` the ones it was handed before and never acked (a reply lost to a
+        connection failure). A group Redis lost (restarted without its data) is made again."""
         entries = await groups.read(
             self.redis,
-            self.keys.queue,
+            self.keys.queue(partition),
             QUEUE_GROUP,
             consumer,
             pending=pending,
@@ -126,38 +132,45 @@ class RequestQueue:
         # a pending entry trimmed meanwhile has no fields
         return [(eid, _dec.decode(fields[JOB_FIELD])) for eid, fields in entries if fields]
 
-    async def ack(self, entry_id: bytes) -> None:
+    async def ack(self, partition: int, entry_id: bytes) -> None:
+        queue = self.keys.queue(partition)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.xack(self.keys.queue, QUEUE_GROUP, entry_id)
-        pipe.xdel(self.keys.queue, entry_id)
+        pipe.xack(queue, QUEUE_GROUP, entry_id)
+        pipe.xdel(queue, entry_id)
         await pipe.execute()
 
     async def depth(self) -> int:
-        return int(await self.redis.xlen(self.keys.queue))
+        """Jobs queued in all partitions."""
+        pipe = self.redis.pipeline(transaction=False)
+        for p in self.keys.all_partitions:
+            pipe.xlen(self.keys.queue(p))
+        return sum(replies.integer(n) for n in await pipe.execute())
 
     # -- what the sweeper needs: jobs pending under a consumer --------------------------
 
-    async def consumers_with_pending(self) -> list[str]:
-        """Consumers of the group that hold unacked jobs ([] before any worker started)."""
+    async def consumers_with_pending(self, partition: int) -> list[str]:
+        """Consumers of a partition's group that hold unacked jobs ([] before any worker
+        started)."""
         try:
-            consumers = await self.redis.xinfo_consumers(self.keys.queue, QUEUE_GROUP)
+            consumers = await self.redis.xinfo_consumers(self.keys.queue(partition), QUEUE_GROUP)
         except ResponseError as exc:  # no queue or group yet
             if "no such key" in str(exc).lower() or "NOGROUP" in str(exc):
                 return []
             raise
         return [replies.text(c["name"]) for c in consumers if c["pending"]]
 
-    async def pending(self, consumer: str, count: int = 100) -> list[Pending]:
-        """``consumer``'s unacked jobs: entry id, how long since it was handed them, the
-        job (``None`` if the entry is gone)."""
+    async def pending(self, partition: int, consumer: str, count: int = 100) -> list[Pending]:
+        """``consumer``'s unacked jobs in a partition: entry id, how long since it was
+        handed them, the job (``None`` if the entry is gone)."""
+        queue = self.keys.queue(partition)
         raw: Any = await self.redis.xpending_range(
-            self.keys.queue, QUEUE_GROUP, min="-", max="+", count=count, consumername=consumer
+            queue, QUEUE_GROUP, min="-", max="+", count=count, consumername=consumer
         )
         if not raw:
             return []
         pipe = self.redis.pipeline(transaction=False)
         for p in raw:
-            pipe.xrange(self.keys.queue, min=p["message_id"], max=p["message_id"])
+            pipe.xrange(queue, min=p["message_id"], max=p["message_id"])
         found: Any = await pipe.execute()
         out = []
         for p, entries in zip(raw, found, strict=True):
@@ -166,13 +179,15 @@ class RequestQueue:
             out.append(Pending(p["message_id"], int(p["time_since_delivered"]), job))
         return out
 
-    async def take(self, entry_ids: list[bytes], claimant: str, min_idle_ms: int) -> list[bytes]:
+    async def take(
+        self, partition: int, entry_ids: list[bytes], claimant: str, min_idle_ms: int
+    ) -> list[bytes]:
         """Move pending entries to ``claimant`` (only those idle at least ``min_idle_ms``,
         so that of several sweepers one wins); returns the ones it got."""
         if not entry_ids:
             return []
         claimed: Any = await self.redis.xclaim(
-            self.keys.queue,
+            self.keys.queue(partition),
             QUEUE_GROUP,
             claimant,
             min_idle_time=min_idle_ms,
@@ -197,7 +212,11 @@ class RequestQueue:
         to take a started one (``orphans``). ``max_takeovers``: how many losses a request
         may have been through before it is no longer queued again (``exhausted``)."""
         raw = await self._requeue(
-            keys=[self.keys.meta(request_id), self.keys.queue, self.keys.orphans],
+            keys=[
+                self.keys.meta(request_id),
+                self.keys.queue_of(request_id),
+                self.keys.orphans_of(request_id),
+            ],
             args=[
                 entry_id,
                 QUEUE_GROUP,
@@ -216,14 +235,15 @@ class RequestQueue:
         return Requeued(replies.text(raw[1]).encode(), None)
 
     async def orphans_due(self, now_ms: int, count: int = 100) -> list[str]:
-        """Started requests queued again whose wait for a worker is over."""
-        raw: Any = await self.redis.zrangebyscore(
-            self.keys.orphans, "-inf", now_ms, start=0, num=count
-        )
-        return [replies.text(r) for r in raw]
+        """Started requests queued again whose wait for a worker is over (all partitions)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for p in self.keys.all_partitions:
+            pipe.zrangebyscore(self.keys.orphans(p), "-inf", now_ms, start=0, num=count)
+        found: Any = await pipe.execute()
+        return [replies.text(r) for raw in found for r in raw]
 
     async def forget_orphan(self, request_id: str) -> None:
-        await self.redis.zrem(self.keys.orphans, request_id)
+        await self.redis.zrem(self.keys.orphans_of(request_id), request_id)
 
 
 class Heartbeats:
@@ -251,11 +271,12 @@ class Heartbeats:
         """The fresh heartbeats and the queue's length, in one round trip (admission)."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.hgetall(self.keys.workers)
-        pipe.xlen(self.keys.queue)
-        beats, depth = await pipe.execute()
+        for p in self.keys.all_partitions:
+            pipe.xlen(self.keys.queue(p))
+        beats, *depths = await pipe.execute()
         now_ms = time.time() * 1000
         fresh = [b for b in map(Heartbeat.decode, beats.values()) if b.fresh(now_ms, stale_s)]
-        return fresh, replies.integer(depth)
+        return fresh, sum(replies.integer(d) for d in depths)
 
     async def count(self) -> int:
         return int(await self.redis.hlen(self.keys.workers))

@@ -1,4 +1,5 @@
-"""Multiplexed log tailing: one ``XREAD BLOCK`` per shard of up to 1,000 followed logs.
+"""Multiplexed log tailing: one ``XREAD BLOCK`` per shard of up to 1,000 followed logs
+of one partition.
 
 Every connected reader (an SSE client, a waiting non-streaming client) subscribes
 to one request's log from a position. One task per shard runs ``XREAD BLOCK`` over
@@ -9,9 +10,10 @@ A new subscription must not wait for the current ``XREAD BLOCK`` to time out, so
 each shard also reads its own small *wake* stream; subscribing XADDs to it,
 which returns the blocked call at once.
 
-Redis Cluster: a multi-key ``XREAD`` needs all keys in one slot, and per-request
-keys are spread over slots on purpose, so this tailer targets a single Redis
-(or a primary with replicas). See docs/DESIGN.md.
+Redis Cluster: a multi-key ``XREAD`` needs all its keys in one slot. A shard follows the
+logs of one partition (one slot: ``keys.py``) and its wake stream is in it too, so an API
+process has at least one shard per partition it has readers in, each a read on the node
+that serves the partition.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from service.store.keys import EVENT_FIELD, Keys
+from service.store.pool import is_cluster
 from service.stream import events as ev
 from service.stream.ids import EventId
 
@@ -153,7 +156,10 @@ class LogTailer:
         self._redis = writer or redis
         # the same pool, but XREAD replies left as Redis sent them: redis-py's reply
         # parsing (a dict per entry) cost more than the read itself with 500 streams
-        self._reader = Redis(connection_pool=redis.connection_pool)
+        if is_cluster(redis):  # (a cluster client has a pool per node: this client's own)
+            self._reader = redis
+        else:
+            self._reader = Redis(connection_pool=redis.connection_pool)
         self._reader.set_response_callback("XREAD", _raw_reply)
         self._keys = keys
         self._block_ms = block_ms
@@ -235,9 +241,15 @@ class LogTailer:
         key = self._keys.log(request_id)
         shard = self._shard_of.get(key)
         if shard is None:
-            shard = next((s for s in self._shards if len(s.subs) < self._shard_size), None)
+            part = self._keys.partition(request_id)
+            shard = next(
+                (s for s in self._shards if s.partition == part and len(s.subs) < self._shard_size),
+                None,
+            )
             if shard is None:
-                shard = _Shard(self._redis, self._reader, self._keys, self._block_ms, self._count)
+                shard = _Shard(
+                    self._redis, self._reader, self._keys, part, self._block_ms, self._count
+                )
                 self._shards.append(shard)
             self._shard_of[key] = shard
         shard.add(key, sub)
@@ -260,14 +272,18 @@ class LogTailer:
 
 
 class _Shard:
-    """One ``XREAD BLOCK`` loop over a set of logs, woken through its own wake stream."""
+    """One ``XREAD BLOCK`` loop over a set of logs of one partition, woken through its own
+    wake stream (in the partition too)."""
 
-    def __init__(self, redis: Redis, reader: Redis, keys: Keys, block_ms: int, count: int) -> None:
+    def __init__(
+        self, redis: Redis, reader: Redis, keys: Keys, partition: int, block_ms: int, count: int
+    ) -> None:
         self._redis = redis
         self._reader = reader
         self._block_ms = block_ms
         self._count = count
-        self._wake_key = keys.wake(uuid.uuid4().hex)
+        self.partition = partition
+        self._wake_key = keys.wake(partition, uuid.uuid4().hex)
         self._wake_last = b"0-0"
         self._wake_pending = False
         self.subs: dict[str, set[Subscription]] = {}

@@ -156,7 +156,7 @@ def test_every_stream_starts_with_a_reconnect_hint(stack: Stack, key: str) -> No
 
 def _count_requests(st: Stack) -> int:
     r = redis.Redis.from_url(st.settings.redis_url or "")
-    return sum(1 for _ in r.scan_iter(match=f"{Keys(st.settings.key_prefix).prefix}:*:meta"))
+    return sum(1 for _ in r.scan_iter(match=f"{Keys(st.settings.key_prefix, st.settings.partitions).prefix}:*:meta"))
 
 
 def test_a_post_cut_before_its_response_is_not_run_twice(stack: Stack, key: str) -> None:

@@ -47,13 +47,13 @@ STALE_S = 3.0
 
 def logged_ids(st: Stack, rid: str) -> list[int]:
     """The completion token ids in ``rid``'s log, in order, whoever wrote them."""
-    entries = store(st).xrange(Keys(st.settings.key_prefix).log(rid))
+    entries = store(st).xrange(Keys(st.settings.key_prefix, st.settings.partitions).log(rid))
     found = (ev.decode(fields[b"e"]) for _, fields in entries)
     return [i for e in found if isinstance(e, ev.Delta) for i in e.token_ids]
 
 
 def state_of(st: Stack, rid: str) -> str:
-    raw = store(st).hget(Keys(st.settings.key_prefix).meta(rid), Meta.STATE)
+    raw = store(st).hget(Keys(st.settings.key_prefix, st.settings.partitions).meta(rid), Meta.STATE)
     return raw.decode() if raw else ""
 
 

@@ -209,7 +209,7 @@ def first_not_503(client: httpx.Client, st: Stack, key: str) -> tuple[int, str, 
 
 def forget_hot_log(st: Stack, rid: str) -> None:
     """The hot log has expired: what the API knows of the request is in the ledger."""
-    keys = Keys(st.settings.key_prefix)
+    keys = Keys(st.settings.key_prefix, st.settings.partitions)
     hot = redis.Redis.from_url(st.settings.redis_url or "")
     try:
         hot.delete(keys.log(rid), keys.meta(rid), keys.readers(rid))

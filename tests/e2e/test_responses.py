@@ -256,7 +256,7 @@ def test_store_false_keeps_the_billing_row_only(stack: Stack, sdk: OpenAI) -> No
     assert row is not None and row["state"] == "finished"
     assert not _archived(db, resp.id)
     ttl = redis.Redis.from_url(stack.settings.redis_url or "").ttl(
-        Keys(stack.settings.key_prefix).log(resp.id)
+        Keys(stack.settings.key_prefix, stack.settings.partitions).log(resp.id)
     )
     assert 0 < ttl <= stack.settings.unstored_ttl_s
     kept = sdk.responses.create(model=stack.model, input="kept")
@@ -307,7 +307,7 @@ def test_an_archived_response_streams_the_same_bytes(stack: Stack, sdk: OpenAI) 
         while not _archived(db, resp.id):
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        keys = Keys(stack.settings.key_prefix)
+        keys = Keys(stack.settings.key_prefix, stack.settings.partitions)
         redis.Redis.from_url(stack.settings.redis_url or "").delete(
             keys.log(resp.id), keys.meta(resp.id)
         )  # the hot log's TTL, now

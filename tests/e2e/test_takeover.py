@@ -131,12 +131,12 @@ def store(st: Stack) -> redis.Redis:
 
 
 def owner_of(st: Stack, rid: str) -> str:
-    raw = store(st).hget(Keys(st.settings.key_prefix).meta(rid), "owner")
+    raw = store(st).hget(Keys(st.settings.key_prefix, st.settings.partitions).meta(rid), "owner")
     return raw.decode() if raw else ""
 
 
 def logged_text(st: Stack, rid: str) -> str:
-    entries = store(st).xrange(Keys(st.settings.key_prefix).log(rid))
+    entries = store(st).xrange(Keys(st.settings.key_prefix, st.settings.partitions).log(rid))
     found = (ev.decode(fields[b"e"]) for _, fields in entries)
     return "".join(e.text for e in found if isinstance(e, ev.Delta))
 

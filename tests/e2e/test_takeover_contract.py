@@ -37,7 +37,7 @@ CALLS = "Checking. " + hermes("get_weather", LONG_ARGS) + hermes("get_time", {"z
 
 def logged_arguments(st: Stack, rid: str) -> str:
     """The tool-call argument text the log holds so far (every call's, joined)."""
-    entries = store(st).xrange(Keys(st.settings.key_prefix).log(rid))
+    entries = store(st).xrange(Keys(st.settings.key_prefix, st.settings.partitions).log(rid))
     found = (ev.decode(fields[b"e"]) for _, fields in entries)
     return "".join(p.arguments for e in found if isinstance(e, ev.Delta) for p in e.tools or ())
 

@@ -66,4 +66,4 @@ async def test_the_scripts_write_the_python_names(redis: Redis, key_prefix: str)
         meta = await log.meta(rid)
         assert meta is not None and meta.state == State.CANCELLED
     finally:
-        await redis.delete(keys.meta(rid), keys.log(rid), keys.outbox, keys.readers(rid))
+        await redis.delete(keys.meta(rid), keys.log(rid), keys.outbox(0), keys.readers(rid))

@@ -175,12 +175,12 @@ async def test_create_writes_lease_and_job_in_the_same_step(
         (b"tok", float(expiry))
     ]
     assert 0 < await redis.ttl(keys.readers(request_id)) <= 600
-    [(_entry, got)] = await queue.read("c1", count=10, block_ms=100)
+    [(_entry, got)] = await queue.read(0, "c1", count=10, block_ms=100)
     assert got == job
     other = rid()  # without them: the log alone
     await rlog.create(other, created(), 600)
     assert not await redis.exists(keys.readers(other))
-    assert await queue.read("c1", count=10, block_ms=100) == []
+    assert await queue.read(0, "c1", count=10, block_ms=100) == []
 
 
 async def test_fencing_takeover_and_terminal(rlog: RedisLog, redis: Redis, keys: Keys):
@@ -530,18 +530,18 @@ async def test_queue_two_consumers_no_duplicates_and_ack(redis: Redis, keys: Key
     await queue.ensure_group()  # also on a stream that has entries
     assert await queue.depth() == 3
 
-    a = await queue.read("c1", count=2, block_ms=100)
-    b = await queue.read("c2", count=2, block_ms=100)
+    a = await queue.read(0, "c1", count=2, block_ms=100)
+    b = await queue.read(0, "c2", count=2, block_ms=100)
     assert (len(a), len(b)) == (2, 1)
     assert sorted((j for _, j in a + b), key=lambda j: j.params.seed or 0) == jobs
-    assert await queue.read("c1", count=2, block_ms=50) == []
-    pending = await redis.xpending(keys.queue, QUEUE_GROUP)
+    assert await queue.read(0, "c1", count=2, block_ms=50) == []
+    pending = await redis.xpending(keys.queue(0), QUEUE_GROUP)
     assert pending["pending"] == 3
     assert {c["name"]: c["pending"] for c in pending["consumers"]} == {b"c1": 2, b"c2": 1}
 
     for entry_id, _ in a + b:
-        await queue.ack(entry_id)
-    assert (await redis.xpending(keys.queue, QUEUE_GROUP))["pending"] == 0
+        await queue.ack(0, entry_id)
+    assert (await redis.xpending(keys.queue(0), QUEUE_GROUP))["pending"] == 0
     assert await queue.depth() == 0
 
 
@@ -573,7 +573,7 @@ async def test_terminal_append_without_events_points_the_outbox_at_the_last_entr
         )
         == []
     )
-    [(_, fields)] = await redis.xrange(keys.outbox, count=1)
+    [(_, fields)] = await redis.xrange(keys.outbox(0), count=1)
     assert fields[b"i"].decode() == str(last_id)
     assert (await rlog.meta(request_id)).state == "cancelled"  # type: ignore[union-attr]
 
@@ -615,7 +615,7 @@ async def test_an_append_sent_twice_is_written_once(rlog: RedisLog):
     )
     assert repeated == ended
     assert [e for _, e in await rlog.read(request_id)] == [created(), delta(1), delta(2), END]
-    assert await rlog.redis.xlen(rlog.keys.outbox) == 1  # one outbox entry, not two
+    assert await rlog.redis.xlen(rlog.keys.outbox(0)) == 1  # one outbox entry, not two
 
 
 async def test_an_append_after_lost_entries_is_refused(rlog: RedisLog):

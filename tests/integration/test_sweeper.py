@@ -43,12 +43,12 @@ async def test_a_job_a_frozen_worker_took_is_queued_again(redis: Redis, key_pref
     log, queue, beats = RedisLog(redis, keys), RequestQueue(redis, keys), Heartbeats(redis, keys)
     await queue.ensure_group()
     rid = await submitted(log, queue)
-    [(old_entry, _)] = await queue.read("frozen", count=1, block_ms=100)  # then it froze
+    [(old_entry, _)] = await queue.read(0, "frozen", count=1, block_ms=100)  # then it froze
     await beats.beat("frozen", Heartbeat(1, 1, int(time.time() * 1000) - 60_000, 0))
     sweeper = Sweeper(log, queue, beats, sweeper_id="s1", stale_s=0.05)
     time.sleep(0.1)  # the entry's idle time: the sweeper only takes what idled stale_s
     assert await sweeper.sweep() == 1
-    [(new_entry, job)] = await queue.read("healthy", count=1, block_ms=100)
+    [(new_entry, job)] = await queue.read(0, "healthy", count=1, block_ms=100)
     assert job.request_id == rid and new_entry != old_entry
     assert await log.claim(rid, "frozen", old_entry) is None  # it woke up: refused
     owner = await log.claim(rid, "healthy", new_entry)
@@ -58,7 +58,7 @@ async def test_a_job_a_frozen_worker_took_is_queued_again(redis: Redis, key_pref
 
 async def lose(log: RedisLog, queue: RequestQueue, beats: Heartbeats, rid: str, worker: str):
     """``worker`` reads the request's job, claims it, writes a delta, and dies."""
-    [(entry, _)] = await queue.read(worker, count=1, block_ms=100)
+    [(entry, _)] = await queue.read(0, worker, count=1, block_ms=100)
     owner = await log.claim(rid, worker, entry)
     assert owner is not None
     await log.append(rid, owner.epoch, [ev.Delta("hi", [5], 1)])
@@ -83,7 +83,7 @@ async def test_a_started_job_of_a_dead_worker_is_queued_for_a_takeover(
     assert meta is not None and meta.state == State.RUNNING and not meta.owner
     assert meta.recovery.takeovers == 1
     assert await queue.orphans_due(int(time.time() * 1000) + 10**9) == [rid]
-    [(new_entry, job)] = await queue.read("next", count=1, block_ms=100)
+    [(new_entry, job)] = await queue.read(0, "next", count=1, block_ms=100)
     assert job.request_id == rid and new_entry != old_entry
     assert await log.claim(rid, "dead", old_entry) is None  # its old entry claims nothing
     owner = await log.claim(rid, "next", new_entry)
@@ -110,7 +110,7 @@ async def test_a_request_lost_too_often_ends_worker_lost(redis: Redis, key_prefi
     assert isinstance(entries[-2], ev.Error) and entries[-2].code == "worker_lost"
     end = entries[-1]
     assert isinstance(end, ev.End) and end.takeovers == 1 and end.completion_tokens == 1
-    assert await queue.pending("s1") == []  # the entry is acked
+    assert await queue.pending(0, "s1") == []  # the entry is acked
 
 
 async def test_a_takeover_nobody_takes_ends_at_its_wait(redis: Redis, key_prefix: str):
@@ -127,7 +127,7 @@ async def test_a_takeover_nobody_takes_ends_at_its_wait(redis: Redis, key_prefix
     assert meta is not None and meta.state == State.ERRORED
     assert await queue.orphans_due(int(time.time() * 1000) + 10**9) == []
     # the job still queued behind it is acked by the worker that reads it: nothing to run
-    [(entry, _)] = await queue.read("late", count=1, block_ms=100)
+    [(entry, _)] = await queue.read(0, "late", count=1, block_ms=100)
     assert await log.claim(rid, "late", entry) is None
 
 
@@ -139,7 +139,7 @@ async def test_a_claimed_takeover_is_not_ended_at_its_wait(redis: Redis, key_pre
     sweeper = Sweeper(log, queue, beats, sweeper_id="s1", stale_s=0.05, takeover_wait_s=0.05)
     await lose(log, queue, beats, rid, "dead")
     assert await sweeper.sweep() == 1
-    [(entry, _)] = await queue.read("next", count=1, block_ms=100)
+    [(entry, _)] = await queue.read(0, "next", count=1, block_ms=100)
     assert await log.claim(rid, "next", entry) is not None
     time.sleep(0.1)
     assert await sweeper.end_unclaimed() == 0
@@ -152,7 +152,7 @@ async def test_a_handover_is_fenced_by_the_owners_epoch(redis: Redis, key_prefix
     log, queue = RedisLog(redis, keys), RequestQueue(redis, keys)
     await queue.ensure_group()
     rid = await submitted(log, queue)
-    [(entry, _)] = await queue.read("stopping", count=1, block_ms=100)
+    [(entry, _)] = await queue.read(0, "stopping", count=1, block_ms=100)
     owner = await log.claim(rid, "stopping", entry)
     assert owner is not None
     stale = await queue.requeue(rid, entry, Requeue.HANDOVER, epoch=owner.epoch + 1)
@@ -169,12 +169,12 @@ async def test_a_live_workers_running_jobs_are_left_alone(redis: Redis, key_pref
     log, queue, beats = RedisLog(redis, keys), RequestQueue(redis, keys), Heartbeats(redis, keys)
     await queue.ensure_group()
     served, lost = await submitted(log, queue), await submitted(log, queue)
-    await queue.read("alive", count=2, block_ms=100)
+    await queue.read(0, "alive", count=2, block_ms=100)
     # a fresh heartbeat that names only one of them: the other one it lost track of
     time.sleep(0.1)
     fresh = int(time.time() * 1000) + 60_000  # fresh whatever the sweep's timing
     await beats.beat("alive", Heartbeat(2, 1, fresh, 0, frozenset({served})))
     assert await Sweeper(log, queue, beats, sweeper_id="s1", stale_s=0.05).sweep() == 1
-    assert [p.job.request_id for p in await queue.pending("alive") if p.job] == [served]
-    [(_, again)] = await queue.read("other", count=1, block_ms=100)
+    assert [p.job.request_id for p in await queue.pending(0, "alive") if p.job] == [served]
+    [(_, again)] = await queue.read(0, "other", count=1, block_ms=100)
     assert again.request_id == lost

@@ -192,5 +192,5 @@ async def test_runner_appends_one_step_of_all_requests_in_one_round_trip(
     finally:
         runner.stop()
         await asyncio.wait_for(task, 30)
-        await redis.delete(*[k for r in rids for k in (keys.log(r), keys.meta(r))], keys.queue)
+        await redis.delete(*[k for r in rids for k in (keys.log(r), keys.meta(r))], keys.queue(0))
         await redis.aclose()

@@ -2,9 +2,10 @@
 -- engine step of every request it runs). For each request, XADD its events only if the
 -- caller still owns it and the log is where the caller thinks it is; the terminal event
 -- and its outbox entry go together or not at all.
--- KEYS[1] outbox; then per request: meta, log, readers (dropped at the terminal event),
--- scratch (the finished log is copied there and renamed back: see below), the in-flight
--- set of its API key (its slot is freed at the terminal event, whoever reads it)
+-- All the requests of one call are in one partition (one cluster slot).
+-- KEYS[1] the partition's outbox; then per request: meta, log, readers (dropped at the
+-- terminal event), scratch (the finished log is copied there and renamed back: see below).
+-- (The caller frees the request's admission slot after a terminal event: another slot.)
 -- ARGV, per request: request id, owner epoch, expected entries in the log before these ('' to not
 -- check), terminal state ('' if not terminal), TTL in seconds applied to its keys when
 -- terminal, encoded Summary for the outbox ('' if none), number of events n, the n events
@@ -22,8 +23,7 @@ while a <= #ARGV do
   local first = a + 7
   local last = first + n - 1
   local meta_key, log_key, readers_key, scratch_key = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
-  local inflight_key = KEYS[k + 4]
-  a, k = last + 1, k + 5
+  a, k = last + 1, k + 4
   local meta = redis.call('HMGET', meta_key, M.epoch, M.state, M.events)
   local state = meta[2]
   local have = tonumber(meta[3] or '0')
@@ -52,7 +52,6 @@ while a <= #ARGV do
     end
     if terminal ~= '' then
       redis.call('DEL', readers_key)
-      redis.call('ZREM', inflight_key, rid)
       -- Right-size the finished log: Redis preallocates a stream node's listpack to
       -- stream-node-max-bytes (4 KiB by default) and never shrinks the last node, which
       -- for a short answer is most of its memory; a copy is allocated to fit.

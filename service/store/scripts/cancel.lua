@@ -1,8 +1,8 @@
 -- Cancel a request, in any phase.
--- KEYS[1] meta, KEYS[2] log, KEYS[3] outbox, KEYS[4] scratch (right-sizes the log, as
--- append.lua does), KEYS[5] the in-flight set of its API key; ARGV[1] encoded
--- End(cancelled) for a request still queued, ARGV[2] TTL in seconds after the terminal
--- event, ARGV[3] its encoded Summary, ARGV[4] the request id
+-- KEYS[1] meta, KEYS[2] log, KEYS[3] its partition's outbox, KEYS[4] scratch (right-sizes
+-- the log, as append.lua does); ARGV[1] encoded End(cancelled) for a request still queued,
+-- ARGV[2] TTL in seconds after the terminal event, ARGV[3] its encoded Summary
+-- (The caller frees the request's admission slot when it ended here: another slot.)
 -- Returns {outcome, detail}: {'missing'}; {<terminal state>} (no-op);
 -- {'cancelled', <end id>} (it was queued: ended here, no engine will see it);
 -- {'cancelling', <owner>} (running: its owner aborts it).
@@ -21,7 +21,6 @@ if state == S.QUEUED and m[2] == '0' then
   redis.call('EXPIRE', KEYS[1], ARGV[2])
   redis.call('EXPIRE', KEYS[2], ARGV[2])
   redis.call('XADD', KEYS[3], '*', F.summary, ARGV[3], F.end_id, id)
-  redis.call('ZREM', KEYS[5], ARGV[4])
   return {S.CANCELLED, id}
 end
 redis.call('HSET', KEYS[1], M.cancel, 1)
