@@ -2,7 +2,10 @@
 
 Servers: ``LASTEVENT_TEST_REDIS_URL`` / ``LASTEVENT_TEST_PG_URL`` when set; else
 the local servers on 127.0.0.1:6379 / :5432 when they answer; else embedded
-Valkey / Postgres started for the session. Isolation: every test gets a random
+Valkey / Postgres started for the session. ``LASTEVENT_TEST_REDIS_CLUSTER=1``
+(``make test-cluster``): a Redis Cluster of the session's own instead (three primaries,
+three replicas: ``tests/cluster.py``), and the stacks the e2e tests start use it with
+``LASTEVENT_REDIS_CLUSTER`` and six partitions. Isolation: every test gets a random
 Redis key prefix; every session (each xdist worker) gets a fresh database.
 """
 
@@ -44,8 +47,20 @@ def embedded_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("embedded")
 
 
+CLUSTER = os.environ.get("LASTEVENT_TEST_REDIS_CLUSTER", "") not in ("", "0")
+
+
 @pytest.fixture(scope="session")
 def redis_url(embedded_dir: Path) -> Iterator[str]:
+    if CLUSTER:
+        from tests.cluster import LocalCluster
+
+        cluster = LocalCluster(embedded_dir / "cluster")
+        try:
+            yield cluster.start().url
+        finally:
+            cluster.stop()
+        return
     url = os.environ.get("LASTEVENT_TEST_REDIS_URL")
     if url:
         yield url

@@ -13,9 +13,8 @@ import asyncio
 import logging
 from collections.abc import Callable, Collection
 
-from redis.exceptions import RedisError
-
 from service.store.control import Control
+from service.store.pool import STORE_ERRORS
 from service.stream.lifecycle import State
 from workers.decide import Abort, RecheckIn, plan
 
@@ -64,7 +63,7 @@ class PresenceWatch:
     async def check_one(self, rid: str) -> None:
         try:
             verdict = (await self.control.check([rid])).get(rid, 0)
-        except RedisError as exc:
+        except STORE_ERRORS as exc:
             log.warning("presence check of %s failed: %s", rid, exc)
             return
         self.act_on(rid, verdict)
@@ -82,7 +81,7 @@ class PresenceWatch:
             await asyncio.sleep(self.check_s)
             try:
                 verdicts = await self.control.check(list(self._undecided()))
-            except RedisError as exc:
+            except STORE_ERRORS as exc:
                 log.warning("presence check failed: %s", exc)
                 continue
             for rid, verdict in verdicts.items():

@@ -22,11 +22,10 @@ import logging
 import os
 import time
 
-from redis.exceptions import RedisError
-
 from service.ledger.ledger import Ledger
 from service.store.log import RedisLog, free_slots
 from service.store.outbox import Entry, Outbox
+from service.store.pool import STORE_ERRORS
 from service.stream import archive
 
 log = logging.getLogger(__name__)
@@ -73,7 +72,7 @@ class Recorder:
                 for entry in await self._next_entries(partition, state):
                     await self._record(partition, entry)
                 backoff = 0.2
-            except RedisError as exc:
+            except STORE_ERRORS as exc:
                 log.warning("recorder: redis error (retrying in %.1fs): %s", backoff, exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)

@@ -40,6 +40,7 @@ from service.store.log import (
     RedisLog,
 )
 from service.store.outbox import Outbox
+from service.store.pool import STORE_ERRORS
 from service.store.queue import Heartbeat, Heartbeats, Job, RequestQueue, wait_for_takeover
 from service.stream.events import Created, Delta, End, Summary, encode_summary, summarize
 from service.stream.ids import EventId
@@ -86,8 +87,9 @@ class Runner:
         self._tasks: set[asyncio.Task[None]] = set()
         self._aborts: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
-        self._served: collections.OrderedDict[bytes, None] = collections.OrderedDict()
-        self._serving: dict[bytes, asyncio.Task[None]] = {}  # queue entry -> its task
+        # queue entries, as (partition, entry id): two partitions' queues make the same ids
+        self._served: collections.OrderedDict[tuple[int, bytes], None] = collections.OrderedDict()
+        self._serving: dict[tuple[int, bytes], asyncio.Task[None]] = {}  # entry -> its task
         self.handed_over = 0  # requests this worker handed over when it stopped
 
     def stop(self) -> None:
@@ -139,20 +141,20 @@ class Runner:
                 lost_reply = True
                 await asyncio.sleep(0.5)
             # a pending re-read hands back entries this worker is serving already
-            jobs = [(e, j) for e, j in jobs if e not in self._serving][:taken]
+            jobs = [(e, j) for e, j in jobs if (partition, e) not in self._serving][:taken]
             for _ in range(taken - len(jobs)):
                 slots.release()
             for entry_id, job in jobs:
                 prior = [t for t in self._tasks if t.get_name() == job.request_id]
                 task = asyncio.create_task(self._serve(entry_id, job, prior), name=job.request_id)
                 self._tasks.add(task)
-                self._serving[entry_id] = task
+                self._serving[partition, entry_id] = task
                 task.add_done_callback(self._tasks.discard)
-                task.add_done_callback(functools.partial(self._served_entry, entry_id))
+                task.add_done_callback(functools.partial(self._served_entry, (partition, entry_id)))
                 task.add_done_callback(lambda _t: slots.release())
 
-    def _served_entry(self, entry_id: bytes, _task: asyncio.Task[None]) -> None:
-        self._serving.pop(entry_id, None)
+    def _served_entry(self, entry: tuple[int, bytes], _task: asyncio.Task[None]) -> None:
+        self._serving.pop(entry, None)
 
     def decide(self, rid: str, state: State) -> None:
         """Cancel or abandon: abort the engine now; the generation writes the end."""
@@ -178,7 +180,7 @@ class Runner:
             )
             try:
                 await self.heartbeats.beat(self.settings.worker_id, beat)
-            except RedisError as exc:
+            except STORE_ERRORS as exc:
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(self.settings.worker_heartbeat_s)
 
@@ -202,12 +204,13 @@ class Runner:
         rid = job.request_id
         owner: Owner | None = None
         first: tuple[EventId, Created] | None = None
-        if entry_id in self._served:
+        entry = (self.keys.partition(rid), entry_id)
+        if entry in self._served:
             # handed to this worker again after it served it: Redis lost the end (and the
             # ack) in a restart. Never run it twice: end it errored if its end is gone.
             await self._end_errored(entry_id, job, None, "log_lost", LOG_LOST)
             return
-        self._served[entry_id] = None
+        self._served[entry] = None
         while len(self._served) > SERVED_REMEMBERED:
             self._served.popitem(last=False)
         if prior:
@@ -292,7 +295,7 @@ class Runner:
                 epoch=owner.epoch,
                 wait_until_ms=int(self._wait_for_takeover(job) * 1000),
             )
-        except RedisError:
+        except STORE_ERRORS:
             log.exception("request %s: could not hand it over", job.request_id)
             return
         if done.entry_id is not None:
@@ -328,7 +331,7 @@ class Runner:
             try:
                 delivery = await self.control.delivery(rid)
                 delivered = None if delivery.present else delivery.delivered
-            except RedisError:
+            except STORE_ERRORS:
                 pass  # count only what came after the abort decision
         end.wasted_tokens = wasted_tokens(end.completion_tokens, outcome.covered_tokens, delivered)
         WASTED_TOKENS.inc(end.wasted_tokens)
@@ -361,7 +364,7 @@ class Runner:
         )
         try:
             await self.outbox.add(summary, f"{now_ms}-0")
-        except RedisError:
+        except STORE_ERRORS:
             log.exception("request %s: could not record it as lost", job.request_id)
 
     def _ttl(self, first: tuple[EventId, Created] | None) -> int:

@@ -18,8 +18,6 @@ from litestar.di import Provide
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from service.api import tokens
 from service.api.admission import Admission
@@ -42,7 +40,7 @@ from service.store.control import Control
 from service.store.keys import Keys
 from service.store.limits import Limits
 from service.store.log import RedisLog
-from service.store.pool import connect
+from service.store.pool import UNREACHABLE, connect
 from service.store.presence import Presence
 from service.store.queue import Heartbeats, RequestQueue
 from service.store.shared import IdempotencyKeys
@@ -283,8 +281,7 @@ def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
         exception_handlers={
             ApiError: _api_error,
             HTTPException: _http_error,
-            RedisConnectionError: _store_unavailable,
-            RedisTimeoutError: _store_unavailable,
+            **{e: _store_unavailable for e in UNREACHABLE if e is not OSError},
             PostgresUnavailable: _ledger_unavailable,
             Exception: _internal_error,
         },

@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 from service.store import replies, scripts
 from service.store.keys import Keys
 from service.store.log import free_slots
+from service.store.pool import STORE_ERRORS
 from service.stream import events as ev
 from service.stream.lifecycle import Meta, State
 
@@ -133,7 +134,7 @@ class Control:
                 async for message in pubsub.listen():
                     verb, _, rid = replies.text(message["data"]).partition(":")
                     yield verb, rid
-            except (RedisError, OSError) as exc:
+            except STORE_ERRORS as exc:
                 log.warning("control channel failed (subscribing again): %s", exc)
                 await asyncio.sleep(0.5)
             finally:

@@ -17,12 +17,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import ResponseError
 
 from service.store import replies, scripts
 from service.store.keys import EVENT_FIELD, Keys
+from service.store.pool import STORE_ERRORS, UNREACHABLE
 from service.stream import events as ev
 from service.stream.ids import EventId
 from service.stream.lifecycle import Meta, State
@@ -36,7 +35,7 @@ async def free_slots(redis: Redis, ended: Sequence[tuple[str, str]]) -> None:
         pipe.zrem(inflight_key, rid)
     try:
         await pipe.execute()
-    except (RedisError, OSError) as exc:  # the ends are written: the recorder frees them
+    except STORE_ERRORS as exc:  # the ends are written: the recorder frees them
         logging.getLogger(__name__).warning("cannot free admission slots: %s", exc)
 
 
@@ -481,7 +480,7 @@ class AppendBatcher:
         items = _merged([(item, owner) for item, owner, *_ in batch])
         try:
             merged = await self._log.append_many([item for item, _ in items])
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except UNREACHABLE as exc:
             now = time.time()
             retry = []
             for entry in batch:

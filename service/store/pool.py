@@ -19,9 +19,32 @@ from typing import Any, cast
 from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import (
+    ClusterDownError,
+    RedisClusterException,
+    RedisError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+# What "Redis cannot be reached now" looks like: a dead connection or a timeout, and on a
+# cluster a failover in progress (CLUSTERDOWN, TRYAGAIN, a slot nobody serves yet). Callers
+# that ride out an outage (the worker's batcher) retry these; the API answers 503.
+UNREACHABLE: tuple[type[Exception], ...] = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ClusterDownError,
+    TryAgainError,
+    SlotNotCoveredError,
+    OSError,
+)
+
+
+# Any failure of the store itself (redis-py's cluster client raises some that are not
+# RedisErrors): what a loop that must survive Redis trouble catches.
+STORE_ERRORS: tuple[type[Exception], ...] = (RedisError, RedisClusterException, OSError)
 
 
 @functools.cache
@@ -71,6 +94,6 @@ async def check(redis: Redis) -> str:
     """``"ok"`` if Redis answers, else what went wrong (``/readyz``)."""
     try:
         await redis.ping()
-    except (RedisError, OSError) as exc:
+    except STORE_ERRORS as exc:
         return f"error: {exc}"
     return "ok"

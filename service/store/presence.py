@@ -17,6 +17,7 @@ import uuid
 from redis.exceptions import RedisError
 
 from service.store.control import Control, now_ms
+from service.store.pool import STORE_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class Presence:
         try:
             # shielded: a reader's task is often being cancelled (client gone) right now
             await asyncio.shield(self.control.leave(lease.request_id, lease.token, lease.delivered))
-        except RedisError as exc:  # the lease lapses by itself
+        except STORE_ERRORS as exc:  # the lease lapses by itself
             log.warning("could not release lease of %s: %s", lease.request_id, exc)
 
     def expiry_ms(self) -> int:

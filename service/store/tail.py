@@ -30,7 +30,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from service.store.keys import EVENT_FIELD, Keys
-from service.store.pool import is_cluster
+from service.store.pool import STORE_ERRORS, is_cluster
 from service.stream import events as ev
 from service.stream.ids import EventId
 
@@ -221,7 +221,7 @@ class LogTailer:
             for key in keys:
                 pipe.exists(key)
             found = await pipe.execute()
-        except RedisError as exc:  # Redis away: the next tick asks again
+        except STORE_ERRORS as exc:  # Redis away: the next tick asks again
             log.warning("cannot check followed logs: %s", exc)
             return
         for key, exists in zip(keys, found, strict=True):
@@ -334,7 +334,7 @@ class _Shard:
             pipe.xadd(self._wake_key, {b"w": b"1"}, maxlen=16, approximate=False)
             pipe.expire(self._wake_key, 3600)
             await pipe.execute()
-        except RedisError as exc:  # the loop's own error handling retries reads
+        except STORE_ERRORS as exc:  # the loop's own error handling retries reads
             log.warning("wake failed: %s", exc)
 
     def _streams(self) -> dict[str, bytes]:
@@ -352,7 +352,7 @@ class _Shard:
                     names, count=self._count, block=self._block_ms
                 )
                 backoff = 0.05
-            except RedisError as exc:
+            except STORE_ERRORS as exc:
                 log.warning("log tail read failed (retrying in %.2fs): %s", backoff, exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from service.settings import MODEL_NAME, Settings
+from tests.conftest import CLUSTER
 
 
 def free_port() -> int:
@@ -82,6 +84,13 @@ class Stack:
             time.sleep(0.1)
         return proc
 
+    def store(self) -> redis.Redis:
+        """A client of the stack's Redis (of its cluster, when it runs on one)."""
+        url = self.settings.redis_url or ""
+        if self.settings.redis_cluster:
+            return redis.RedisCluster.from_url(url)  # type: ignore[return-value]
+        return redis.Redis.from_url(url)
+
     def tail(self, name: str, n: int = 3000) -> str:
         path = self.logs / f"{name}.log"
         return path.read_text(errors="replace")[-n:] if path.exists() else ""
@@ -115,6 +124,8 @@ def make_stack(
         # how loaded the machine is (coalescing is tested in tests/unit/test_coalesce.py)
         "coalesce_backlog": 1_000_000,
     }
+    if CLUSTER:
+        values.update(redis_cluster=True, partitions=6)
     values.update(settings)
     s = Settings(**values)  # type: ignore[arg-type]
     logs = tmp / "logs"

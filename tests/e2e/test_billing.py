@@ -21,7 +21,6 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
@@ -235,7 +234,8 @@ def test_recorder_killed_between_insert_and_ack(stack: Stack, billing_db: str) -
             "recorder", "recorder-crash", worker_id="rec-a", recorder_crash_after_insert=True
         )
         assert crashing.wait(timeout=60) == 17  # it committed a row, then died before the ack
-        assert len(rows_for(billing_db, rids)) == 1
+        # (one per partition at most: each partition's outbox has its own loop)
+        assert 1 <= len(rows_for(billing_db, rids)) <= own.settings.partitions
         healthy = own._spawn(
             "recorder", "recorder-ok", worker_id="rec-b", recorder_claim_idle_ms=500
         )
@@ -305,7 +305,7 @@ def test_resume_from_the_archive_after_the_hot_log_expired(
                 client, "GET", f"/v1/requests/{rid}/events", headers={"Last-Event-ID": middle}
             )
             assert len(wait_rows(billing_db, [rid])) == 1  # archived
-            hot = redis.Redis.from_url(short.settings.redis_url or "")
+            hot = short.store()
             log_key = Keys(short.settings.key_prefix).log(rid)
             try:  # the hot log's TTL (2 s) runs out: what follows is read from the archive
                 wait_until(lambda: not hot.exists(log_key), "the hot log to expire", timeout=60)

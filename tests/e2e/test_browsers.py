@@ -15,7 +15,6 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-import redis
 from httpx_sse import EventSource
 
 from service.store.keys import Keys
@@ -155,8 +154,13 @@ def test_every_stream_starts_with_a_reconnect_hint(stack: Stack, key: str) -> No
 
 
 def _count_requests(st: Stack) -> int:
-    r = redis.Redis.from_url(st.settings.redis_url or "")
-    return sum(1 for _ in r.scan_iter(match=f"{Keys(st.settings.key_prefix, st.settings.partitions).prefix}:*:meta"))
+    r = st.store()
+    return sum(
+        1
+        for _ in r.scan_iter(
+            match=f"{Keys(st.settings.key_prefix, st.settings.partitions).prefix}:*:meta"
+        )
+    )
 
 
 def test_a_post_cut_before_its_response_is_not_run_twice(stack: Stack, key: str) -> None:

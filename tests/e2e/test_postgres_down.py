@@ -21,7 +21,6 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-import redis
 from httpx_sse import EventSource
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -210,7 +209,7 @@ def first_not_503(client: httpx.Client, st: Stack, key: str) -> tuple[int, str, 
 def forget_hot_log(st: Stack, rid: str) -> None:
     """The hot log has expired: what the API knows of the request is in the ledger."""
     keys = Keys(st.settings.key_prefix, st.settings.partitions)
-    hot = redis.Redis.from_url(st.settings.redis_url or "")
+    hot = st.store()
     try:
         hot.delete(keys.log(rid), keys.meta(rid), keys.readers(rid))
     finally:

