@@ -33,6 +33,13 @@ run: $(STAMP)  ## start everything on http://127.0.0.1:8000 (embedded Redis/Post
 test: $(STAMP)  ## the whole test suite (real Redis/Postgres: local ones if they answer, else embedded)
 	$(BIN)/python -m pytest -m "not vllm and not chaos and not clients" -n 2 --dist loadfile $(PYTEST_ARGS)
 
+CLUSTER_TESTS := tests/e2e/test_stream.py tests/e2e/test_cancel.py tests/e2e/test_billing.py \
+  tests/e2e/test_openai_sdk.py tests/e2e/test_admission.py tests/e2e/test_takeover.py \
+  tests/e2e/test_responses.py tests/e2e/test_slow_clients.py
+
+test-cluster: $(STAMP)  ## the e2e core (stream, resume, cancel, presence, admission, billing, replay) on a local Redis Cluster
+	LASTEVENT_TEST_REDIS_CLUSTER=1 $(BIN)/python -m pytest -m "not vllm and not chaos and not clients" -n 2 --dist loadfile $(PYTEST_ARGS) $(CLUSTER_TESTS)
+
 test-chaos: $(STAMP)  ## the chaos tier: Redis killed, restarted, paused for real (own servers)
 	$(BIN)/python -m pytest -m chaos tests/chaos $(PYTEST_ARGS)
 
@@ -98,4 +105,4 @@ lint: $(STAMP)  ## the static gates CI runs first: ruff, ruff format, mypy stric
 clean:  ## remove the virtualenv and caches (not the data dir)
 	rm -rf $(VENV) $(VLLM_VENV) $(GUIDELLM_VENV) .pytest_cache .hypothesis .cache
 
-.PHONY: help install run test test-chaos test-clients test-vllm bench bench-takeover bench-vllm bench-guidellm test-fast lint clean
+.PHONY: help install run test test-cluster test-chaos test-clients test-vllm bench bench-takeover bench-vllm bench-guidellm test-fast lint clean

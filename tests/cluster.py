@@ -106,6 +106,14 @@ class Node:
             except subprocess.TimeoutExpired:
                 self.kill()
 
+    def pause(self) -> None:
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
     def info(self) -> dict[str, str]:
         raw = self.client().execute_command("CLUSTER", "INFO")
         text = raw.decode() if isinstance(raw, bytes) else str(raw)
@@ -206,13 +214,18 @@ class LocalCluster:
                         return by_port[int(primary[1])]
         raise RuntimeError(f"no live node knows who serves slot {slot}")
 
+    def replicas_of(self, primary: Node) -> list[Node]:
+        """The replicas a primary of ``start()`` got."""
+        i = self.primaries.index(primary)
+        n = len(self.primaries)
+        return [r for j, r in enumerate(self.nodes[n:]) if j % n == i]
+
     def wait_failover(self, dead: Node, timeout_s: float = 60.0) -> Node:
         """Wait until a replica of ``dead`` is a primary and the cluster is ok again."""
+        replicas = self.replicas_of(dead)
+        _wait("a replica promoted", lambda: any(r.role() == "master" for r in replicas), timeout_s)
         _wait("cluster_state ok after the failover", self._ok, timeout_s)
-        for node in self.live():
-            if node not in self.primaries and node.role() == "master":
-                return node
-        raise RuntimeError("no replica was promoted")
+        return next(r for r in replicas if r.role() == "master")
 
     def stop(self) -> None:
         for node in self.nodes:

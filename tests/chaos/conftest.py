@@ -638,11 +638,11 @@ def outage_stack(
 
 
 def keys_without_ttl(server: ChaosRedis, prefix: str) -> list[str]:
-    """Per-request keys (``<prefix>:{<request id>}:...``) that never expire: a leak (every
-    one gets a safety TTL when made, the retention TTL at the request's end)."""
+    """Per-request keys (``<prefix>:{<partition>}:r:<request id>:...``) that never expire: a
+    leak (every one gets a safety TTL when made, the retention TTL at the request's end)."""
     client = redis.Redis.from_url(server.url, socket_timeout=5)
     try:
-        found = client.scan_iter(match=f"{prefix}:{{*", count=1000)
+        found = client.scan_iter(match=f"{prefix}:{{*}}:r:*", count=1000)
         return sorted(k.decode() for k in found if client.ttl(k) == -1)
     finally:
         client.close()
