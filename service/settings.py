@@ -98,6 +98,9 @@ class Settings:
     takeover_wait_s: float = 0.0  # how long a lost worker's request waits for another (0:
     # until its deadline); then it ends errored worker_lost
     request_deadline_s: float = 600.0
+    # Prometheus /metrics of a worker or recorder process, on LASTEVENT_HOST (0: none); a
+    # worker's in-process recorder shares the worker's (the API's: GET /metrics, its port)
+    metrics_port: int = 9464
 
     # vLLM engine (LASTEVENT_ENGINE=vllm); one worker process per engine
     vllm_dtype: str = "auto"  # float32 on CPU; bfloat16 / float16 on GPU

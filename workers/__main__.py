@@ -1,5 +1,6 @@
 """``lastevent worker``: one engine, one process. SIGTERM/SIGINT drain, then exit.
-``lastevent recorder``: a recorder on its own."""
+``lastevent recorder``: a recorder on its own. Each serves its metrics on
+``LASTEVENT_METRICS_PORT``."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from service.store.outbox import Outbox
 from service.store.pool import connect
 from service.tokenize import ModelInfo
 from workers.engines.base import Engine
+from workers.metrics import serve_metrics
 from workers.recorder import Recorder
 from workers.runner import Runner
 
@@ -78,6 +80,7 @@ def build_recorder(settings: Settings, redis: Redis, ledger: Ledger) -> Recorder
 async def serve(settings: Settings) -> None:
     if not settings.redis_url:
         raise SystemExit("LASTEVENT_REDIS_URL is not set")
+    serve_metrics(settings.metrics_port, settings.host)
     model = ModelInfo.load(settings.resolved_model_dir, settings.model_name)
     engine = build_engine(settings, model)
     await engine.start()
@@ -144,6 +147,7 @@ def dump_tasks() -> None:
 async def serve_recorder(settings: Settings) -> None:
     if not settings.redis_url or not settings.database_url:
         raise SystemExit("LASTEVENT_REDIS_URL and LASTEVENT_DATABASE_URL must be set")
+    serve_metrics(settings.metrics_port, settings.host)
     redis = connect(settings.redis_url, max_connections=8, cluster=settings.redis_cluster)
     db = make_engine(settings.database_url)
     recorder = build_recorder(settings, redis, Ledger(db))

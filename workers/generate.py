@@ -32,6 +32,7 @@ from service.stream.params import SamplingParams
 from service.stream.tools import parser_for
 from service.tokenize import ModelInfo
 from workers.engines.base import Engine, EngineError
+from workers.metrics import FirstToken, Steps
 
 
 @dataclasses.dataclass(slots=True)
@@ -92,21 +93,30 @@ class Generation:
         *,
         logged: Sequence[Delta] = (),
         handing_over: Container[str] = (),
+        dispatched_at: float | None = None,
     ) -> Outcome:
         """Generate until the engine finishes, a stop string completes, the deadline
         passes, or ``decisions`` gets this request (cancel / abandon: the caller has
         asked the engine to abort, and the tokens it still makes are counted), or
         ``handing_over`` does (the engine was aborted; another worker continues).
         ``logged``: the deltas of a request another worker started. Each of the
-        ``job.n`` choices is an engine request of its own; one End closes them all."""
+        ``job.n`` choices is an engine request of its own; one End closes them all.
+        ``dispatched_at``: a first run's claim (unix s), for its time to first token."""
         rid = job.request_id
         n = max(job.n, 1)
         self._choices[rid] = n
+        first_token = FirstToken(dispatched_at)
         try:
             outcomes = await asyncio.gather(
                 *(
                     self._choice(
-                        job, i, owner, decisions, [d for d in logged if d.index == i], handing_over
+                        job,
+                        i,
+                        owner,
+                        decisions,
+                        [d for d in logged if d.index == i],
+                        handing_over,
+                        first_token,
                     )
                     for i in range(n)
                 )
@@ -193,6 +203,7 @@ class Generation:
         decisions: Mapping[str, State],
         logged: Sequence[Delta],
         handing_over: Container[str],
+        first_token: FirstToken,
     ) -> Outcome:
         rid = job.request_id
         eid = engine_id(rid, index)
@@ -215,15 +226,18 @@ class Generation:
         covered: int | None = None
         budget = job.deadline_unix_s - time.time() if job.deadline_unix_s else None
         reason: str | None = None
+        steps = Steps()
         try:
             async with asyncio.timeout(budget):
                 gen = self.engine.generate(eid, job.prompt_token_ids, params, generated)
                 async with contextlib.aclosing(gen):
                     async for out in gen:
+                        steps.output(len(out.token_ids))
                         if rid in handing_over and rid not in decisions:
                             break
                         if out.token_ids and first_token_at is None:
                             first_token_at = time.time()
+                            first_token.seen(first_token_at)
                         if rid in decisions:  # decided: count what the engine still made
                             covered = asm.completion_tokens if covered is None else covered
                             asm.completion_tokens += len(out.token_ids)
@@ -232,9 +246,10 @@ class Generation:
                             continue
                         step = asm.step(out.token_ids, out.logprobs)
                         if step.events:
-                            await self.batcher.append(
-                                owner, step.events, give_up_at=job.deadline_unix_s
-                            )
+                            with steps.appending():
+                                await self.batcher.append(
+                                    owner, step.events, give_up_at=job.deadline_unix_s
+                                )
                         if step.stopped:  # a stop string completed: free the engine now
                             await self.engine.abort(eid)
                             break

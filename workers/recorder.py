@@ -27,6 +27,7 @@ from service.store.log import RedisLog, free_slots
 from service.store.outbox import Entry, Outbox
 from service.store.pool import STORE_ERRORS
 from service.stream import archive
+from workers.metrics import LEDGER_FAILURES, RECORD_DURATION, RECORD_LAG, RECORDED
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class Recorder:
                 log.warning(
                     "recorder: ledger write failed (retrying in %.1fs)", backoff, exc_info=True
                 )
+                LEDGER_FAILURES.inc()
                 state.backlog = True
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -106,6 +108,7 @@ class Recorder:
             await self.outbox.ack(partition, entry_id)
             return
         summary, end_id = found
+        started = time.monotonic()
         packed = None
         if summary.store:  # (``store: false``: the billing row only)
             entries = await self.log.read_raw(summary.request_id)
@@ -116,7 +119,11 @@ class Recorder:
                 log.warning(
                     "recorder: log of %s expired before it was archived", summary.request_id
                 )
-        await self.ledger.record(summary, end_id, packed)
+        if await self.ledger.record(summary, end_id, packed):
+            RECORDED.labels(result="new").inc()
+            RECORD_LAG.observe(max(0.0, time.time() - int(entry_id.split(b"-")[0]) / 1000))
+        else:
+            RECORDED.labels(result="duplicate").inc()
         if self.crash_after_insert:
             os._exit(17)  # committed, not acked: the entry must be delivered again
         # the admission slot, in case the process that wrote the end died before freeing it
@@ -124,6 +131,7 @@ class Recorder:
             slot = self.outbox.keys.inflight_of(summary.tenant, summary.api_key_id)
             await free_slots(self.outbox.redis, [(slot, summary.request_id)])
         await self.outbox.ack(partition, entry_id)
+        RECORD_DURATION.observe(time.monotonic() - started)
 
 
 @dataclasses.dataclass(slots=True)

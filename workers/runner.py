@@ -49,7 +49,18 @@ from service.tokenize import ModelInfo
 from workers.decide import wasted_tokens
 from workers.engines.base import Engine
 from workers.generate import Generation, Outcome
-from workers.metrics import ABORTS, CONTINUED, REPREFILL_TOKENS, WASTED_TOKENS
+from workers.metrics import (
+    ABORTS,
+    CONTINUED,
+    HANDED_OVER,
+    PROMPT_TOKENS,
+    QUEUE_WAIT,
+    REPREFILL_TOKENS,
+    REQUEST_DURATION,
+    RUNNING,
+    SLOTS,
+    WASTED_TOKENS,
+)
 from workers.presence import PresenceWatch
 
 log = logging.getLogger(__name__)
@@ -178,6 +189,8 @@ class Runner:
                 int(self.mean_service_ms),
                 frozenset(t.get_name() for t in self._tasks),
             )
+            SLOTS.set(beat.slots)
+            RUNNING.set(len(self._tasks))
             try:
                 await self.heartbeats.beat(self.settings.worker_id, beat)
             except STORE_ERRORS as exc:
@@ -193,6 +206,7 @@ class Runner:
                 for task in left:
                     rid = task.get_name()
                     self.handing_over.add(rid)
+                    ABORTS.labels(reason="handover").inc()
                     aborting = asyncio.create_task(self.generation.abort(rid))
                     self._aborts.add(aborting)
                     aborting.add_done_callback(self._aborts.discard)
@@ -226,16 +240,28 @@ class Runner:
                 return
             dispatched_ms = int(time.time() * 1000)
             first = await self.log.first_with_id(rid)
+            first_run = owner.epoch <= 1
+            if first_run:
+                PROMPT_TOKENS.inc(len(job.prompt_token_ids))
+                if first is not None:
+                    QUEUE_WAIT.observe(max(0, dispatched_ms - first[0].ms) / 1000)
             logged, recovery = await self._continued(job, owner)
             self.running.add(rid)
             try:
                 outcome = await self.generation.run(
-                    job, owner, self.decisions, logged=logged, handing_over=self.handing_over
+                    job,
+                    owner,
+                    self.decisions,
+                    logged=logged,
+                    handing_over=self.handing_over,
+                    dispatched_at=dispatched_ms / 1000 if first_run else None,
                 )
             finally:
                 self.running.discard(rid)
                 self.decisions.pop(rid, None)
                 self.watch.forget(rid)
+            if outcome.error_code == "deadline":
+                ABORTS.labels(reason="deadline").inc()
             if outcome.handed_over:
                 await self._hand_over(entry_id, job, owner)
                 return
@@ -300,6 +326,7 @@ class Runner:
             return
         if done.entry_id is not None:
             self.handed_over += 1
+            HANDED_OVER.inc()
             log.info("request %s: handed over to another worker", job.request_id)
 
     def _wait_for_takeover(self, job: Job) -> float:
@@ -346,6 +373,9 @@ class Runner:
             inflight_key=""
             if first is None
             else self.keys.inflight_of(first[1].tenant, first[1].api_key_id),
+        )
+        REQUEST_DURATION.labels(state=end.state).observe(
+            max(0.0, time.time() - dispatched_ms / 1000)
         )
 
     async def _record_lost(self, job: Job, first: tuple[EventId, Created] | None) -> None:

@@ -9,6 +9,7 @@ import logging
 import re
 import uuid
 from collections.abc import AsyncIterator, Callable
+from http import HTTPStatus
 from typing import Any
 
 import msgspec
@@ -23,7 +24,7 @@ from service.api import tokens
 from service.api.admission import Admission
 from service.api.auth import Authenticator, Principal
 from service.api.context import Context, Drain
-from service.api.metrics import REJECTED
+from service.api.metrics import REJECTED, watch_loop_lag
 from service.api.routes.admin import AdminController
 from service.api.routes.completions import CompletionsController
 from service.api.routes.playground import PlaygroundController
@@ -51,7 +52,7 @@ log = logging.getLogger("lastevent.api")
 
 
 def _error_response(exc: ApiError) -> Response[Any]:
-    REJECTED.labels(status=str(exc.status_code)).inc()
+    REJECTED.labels(status=str(exc.status_code), reason=exc.code or exc.error_type).inc()
     return Response(exc.body(), status_code=exc.status_code, headers=exc.headers)
 
 
@@ -77,10 +78,20 @@ def _http_error(_: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
                 where = "" if param in (None, "data") else f"{param}."
                 param = f"{where}{unknown.group(1)}"
                 message = f"Unrecognized request argument supplied: {param}"
-    REJECTED.labels(status=str(status)).inc()
+    REJECTED.labels(status=str(status), reason=_reason(exc)).inc()
     kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
     body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
     return Response(body, status_code=status, headers=dict(exc.headers or {}))
+
+
+def _reason(exc: HTTPException) -> str:
+    """Litestar's errors carry no code: the reason is the status's name (a bounded set)."""
+    if isinstance(exc, ValidationException):
+        return "validation_failed"
+    try:
+        return HTTPStatus(exc.status_code).name.lower()
+    except ValueError:
+        return "http_error"
 
 
 def _unavailable(
@@ -103,6 +114,7 @@ _ledger_unavailable = _unavailable("ledger", "ledger_unavailable", 2)  # Postgre
 
 def _internal_error(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     log.error("unhandled error", exc_info=exc)
+    REJECTED.labels(status="500", reason="internal_error").inc()
     body = {
         "error": {
             "message": "internal server error",
@@ -183,11 +195,13 @@ async def serving(settings: Settings, model: ModelInfo, drain: Drain) -> AsyncIt
         request_deadline_s=settings.request_deadline_s,
     )
     sweeping = asyncio.create_task(sweeper.run(), name="sweeper")
+    lag = asyncio.create_task(watch_loop_lag(), name="event-loop-lag")
     try:
         yield ctx
     finally:
         sweeping.cancel()
-        await asyncio.gather(sweeping, return_exceptions=True)
+        lag.cancel()
+        await asyncio.gather(sweeping, lag, return_exceptions=True)
         await ctx.presence.stop()
         await ctx.tailer.stop()
         if ledger is not None:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge
+import asyncio
+
+from prometheus_client import Counter, Gauge, Histogram
 
 REQUESTS = Counter(
     "lastevent_requests_total", "Requests accepted into the queue", ["kind", "stream"]
 )
-REJECTED = Counter("lastevent_rejected_total", "Requests answered with an error status", ["status"])
+REJECTED = Counter(
+    "lastevent_rejected_total",
+    "Requests answered with an error status (reason: the error's code, else its kind)",
+    ["status", "reason"],
+)
 READERS = Gauge("lastevent_readers", "Readers following a log in this API process")
 REQUEUED = Counter(
     "lastevent_requeued_total",
@@ -15,3 +21,18 @@ REQUEUED = Counter(
     ["reason"],
 )
 RESUMES = Counter("lastevent_resumes_total", "Event-stream reads that started after a cursor")
+EVENT_LOOP_LAG = Histogram(
+    "lastevent_event_loop_lag_seconds",
+    "How late the event loop woke a sleep (every stream of the process waits as long)",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+)
+
+
+async def watch_loop_lag(interval_s: float = 0.25) -> None:
+    """Sleep ``interval_s`` again and again and observe the overshoot: what a blocked or
+    saturated loop costs every reader, which no request's own timing shows."""
+    loop = asyncio.get_running_loop()
+    while True:
+        start = loop.time()
+        await asyncio.sleep(interval_s)
+        EVENT_LOOP_LAG.observe(max(0.0, loop.time() - start - interval_s))

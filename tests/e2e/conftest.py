@@ -123,6 +123,7 @@ def make_stack(
         # byte-for-byte comparisons between live streams and replays must not depend on
         # how loaded the machine is (coalescing is tested in tests/unit/test_coalesce.py)
         "coalesce_backlog": 1_000_000,
+        "metrics_port": 0,  # several workers on one machine; tests that scrape pass a port
     }
     if CLUSTER:
         values.update(redis_cluster=True, partitions=6)
