@@ -73,6 +73,9 @@ test-vllm: $(VLLM_STAMP)  ## the vLLM tier: the real vLLM CPU engine (own venv, 
 bench: $(STAMP)  ## lastevent vs a no-Redis baseline: throughput, latency, resume, abort, memory (< 2 min)
 	$(BIN)/python -m bench.harness $(BENCH_ARGS)
 
+bench-cluster: $(STAMP)  ## lastevent on one Redis node vs a local Redis Cluster: latency, Redis CPU per 1,000 tokens (~3 min)
+	$(BIN)/python -m bench.cluster $(BENCH_ARGS)
+
 bench-takeover: $(STAMP)  ## the pause a stream sees when its worker is killed (-9) or stopped mid-answer (~3 min)
 	$(BIN)/python -m bench.takeover $(BENCH_ARGS)
 
@@ -105,4 +108,4 @@ lint: $(STAMP)  ## the static gates CI runs first: ruff, ruff format, mypy stric
 clean:  ## remove the virtualenv and caches (not the data dir)
 	rm -rf $(VENV) $(VLLM_VENV) $(GUIDELLM_VENV) .pytest_cache .hypothesis .cache
 
-.PHONY: help install run test test-cluster test-chaos test-clients test-vllm bench bench-takeover bench-vllm bench-guidellm test-fast lint clean
+.PHONY: help install run test test-cluster test-chaos test-clients test-vllm bench bench-cluster bench-takeover bench-vllm bench-guidellm test-fast lint clean

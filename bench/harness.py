@@ -36,6 +36,7 @@ import redis
 from bench import report
 from bench.clients import MODEL, Run, drive
 from bench.common import free_port, start_roles, stop, wait_ok
+from service.store.keys import Keys
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -94,8 +95,9 @@ def lastevent(
     procs = start_roles(env, logs)
     try:
         wait_ok(f"http://127.0.0.1:{port}/healthz", procs)
-        client = redis.Redis.from_url(redis_url)
-        while not client.hlen(f"{prefix}:workers"):
+        cluster = extra.get("redis_cluster") == "true"
+        client = (redis.RedisCluster if cluster else redis.Redis).from_url(redis_url)
+        while not client.hlen(Keys(prefix).workers):
             time.sleep(0.1)
         yield f"http://127.0.0.1:{port}", [p.pid for p in procs]
     finally:
@@ -289,7 +291,9 @@ def run_all(args: argparse.Namespace, levels: list[int], idle: list[int], redis_
             )
         )
     time.sleep(max(0.0, ttl_s + 2 - (time.monotonic() - ended)))
-    left = sum(1 for _ in redis.Redis.from_url(redis_url).scan_iter(f"{prefix}:{{*", count=1000))
+    left = sum(
+        1 for _ in redis.Redis.from_url(redis_url).scan_iter(f"{prefix}:{{*}}:r:*", count=1000)
+    )
 
     runs = {n: (base_runs[n], le_runs[n]) for n in levels}
     top = levels[-1]
