@@ -17,7 +17,7 @@ from service.settings import Settings
 from service.store.keys import Keys
 from service.store.log import RedisLog
 from service.store.outbox import Outbox
-from service.store.pool import connect
+from service.store.pool import connect, warm
 from service.tokenize import ModelInfo
 from workers.engines.base import Engine
 from workers.metrics import serve_metrics
@@ -85,6 +85,7 @@ async def serve(settings: Settings) -> None:
     engine = build_engine(settings, model)
     await engine.start()
     redis = connect(settings.redis_url, max_connections=64, cluster=settings.redis_cluster)
+    await warm(redis)
     runner = Runner(settings, redis, engine, model)
     db = make_engine(settings.database_url) if settings.database_url else None
     recorder = None
@@ -149,6 +150,7 @@ async def serve_recorder(settings: Settings) -> None:
         raise SystemExit("LASTEVENT_REDIS_URL and LASTEVENT_DATABASE_URL must be set")
     serve_metrics(settings.metrics_port, settings.host)
     redis = connect(settings.redis_url, max_connections=8, cluster=settings.redis_cluster)
+    await warm(redis)
     db = make_engine(settings.database_url)
     recorder = build_recorder(settings, redis, Ledger(db))
     loop = asyncio.get_running_loop()

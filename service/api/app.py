@@ -41,7 +41,7 @@ from service.store.control import Control
 from service.store.keys import Keys
 from service.store.limits import Limits
 from service.store.log import RedisLog
-from service.store.pool import UNREACHABLE, connect
+from service.store.pool import UNREACHABLE, connect, warm
 from service.store.presence import Presence
 from service.store.queue import Heartbeats, RequestQueue
 from service.store.shared import IdempotencyKeys
@@ -175,6 +175,8 @@ async def serving(settings: Settings, model: ModelInfo, drain: Drain) -> AsyncIt
         cluster=settings.redis_cluster,
         socket_timeout=settings.tail_block_ms / 1000 + 5,
     )
+    await warm(redis)
+    await warm(tail_redis)
     ledger = Ledger(make_engine(settings.database_url)) if settings.database_url else None
     ctx = _context(settings, model, drain, redis, tail_redis, ledger)
     drain.bind(asyncio.get_running_loop())

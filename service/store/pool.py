@@ -13,6 +13,7 @@ opening a connection, paid 256 times in a burst of new streams. It is read once 
 from __future__ import annotations
 
 import functools
+import logging
 from importlib.metadata import version
 from typing import Any, cast
 
@@ -87,7 +88,21 @@ def connect(
 
 
 def is_cluster(redis: Redis) -> bool:
-    return isinstance(redis, RedisCluster)
+    client: object = redis
+    return isinstance(client, RedisCluster)
+
+
+async def warm(redis: Redis) -> None:
+    """Learn a cluster's slot map now: redis-py's cluster client does so on first use, and a
+    burst of first commands at once (an API process's first 50 streams) raced in it,
+    closing connections that others were using. Nothing for a single node. If the
+    cluster cannot be reached yet, the first command tries again."""
+    client: object = redis  # (typed as Redis: see connect)
+    if isinstance(client, RedisCluster):
+        try:
+            await client.initialize()
+        except STORE_ERRORS as exc:
+            logging.getLogger(__name__).warning("cannot reach the Redis Cluster yet: %s", exc)
 
 
 async def check(redis: Redis) -> str:
