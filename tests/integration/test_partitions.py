@@ -1,0 +1,158 @@
+"""Partitions on a real Redis (one node here; ``make test-cluster`` runs the e2e core on a
+cluster): a flush over requests of several partitions, each partition's queue and
+outbox on its own, reconcile's outbox range over all of them, and the admission slot
+freed after an end -- by the writer, and by the recorder when the writer died first."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from service.ledger.ledger import Ledger, make_engine
+from service.store.keys import Keys
+from service.store.log import Append, RedisLog
+from service.store.outbox import Outbox
+from service.store.queue import Job, RequestQueue
+from service.stream import events as ev
+from service.stream.params import SamplingParams
+from workers.recorder import Recorder
+
+pytestmark = pytest.mark.timeout(60)
+
+PARTITIONS = 4
+
+
+@pytest.fixture
+def keys(key_prefix: str) -> Keys:
+    return Keys(key_prefix, PARTITIONS)
+
+
+@pytest.fixture
+async def redis(redis_url: str, keys: Keys) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_url)
+    yield client
+    stale = [k async for k in client.scan_iter(match=f"{keys.prefix}:*", count=1000)]
+    if stale:
+        await client.delete(*stale)
+    await client.aclose()
+
+
+def one_per_partition(keys: Keys) -> list[str]:
+    """A request id in each partition, in partition order."""
+    found: dict[int, str] = {}
+    while len(found) < keys.partitions:
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        found.setdefault(keys.partition(rid), rid)
+    return [found[p] for p in keys.all_partitions]
+
+
+def created(tenant: str = "t", key_id: str | None = "k1") -> ev.Created:
+    return ev.Created(
+        kind="chat", model="m", created=0, prompt_tokens=2, tenant=tenant, api_key_id=key_id
+    )
+
+
+async def test_a_flush_over_every_partition_writes_each_request_in_order(
+    redis: Redis, keys: Keys
+) -> None:
+    log = RedisLog(redis, keys)
+    rids = one_per_partition(keys)
+    owners = []
+    for rid in rids:
+        await log.create(rid, created(), 60)
+        owner = await log.claim(rid, "w")
+        assert owner is not None
+        owners.append(owner)
+    slot = keys.inflight_of("t", "k1")
+    await redis.zadd(slot, {rid: time.time() * 1000 + 60_000 for rid in rids})
+    # two requests end in this flush, two go on; one append is fenced
+    items = []
+    for i, (rid, owner) in enumerate(zip(rids, owners, strict=True)):
+        events: list[ev.Event] = [ev.Delta(text=f"x{i}", token_ids=[i], n=1)]
+        ended = i % 2 == 0
+        if ended:
+            events.append(ev.End("finished", "stop", 2, 1))
+        summary = ev.encode_summary(
+            ev.summarize(rid, None, ev.End("finished", "stop", 2, 1), now_ms=0)
+        )
+        items.append(
+            Append(
+                rid,
+                owner.epoch if i != 3 else owner.epoch + 7,
+                events,
+                "finished" if ended else "",
+                60 if ended else 0,
+                summary if ended else b"",
+                owner.events,
+                slot if ended else "",
+            )
+        )
+    results = await log.append_many(items)
+    assert [type(r).__name__ for r in results] == ["list", "list", "list", "Fenced"]
+    for rid, result in zip(rids[:3], results[:3], strict=True):
+        entries = await log.read(rid)
+        assert [eid for eid, _ in entries[1:]] == result  # each its own, in its own log
+    # each ended request's outbox entry is in its own partition's outbox
+    for p, rid in enumerate(rids):
+        raw = await redis.xrange(keys.outbox(p))
+        assert len(raw) == (1 if p % 2 == 0 else 0), (p, rid)
+    # the ended requests' admission slots are free, the running ones' are not
+    left = {m.decode() for m in await redis.zrange(slot, 0, -1)}
+    assert left == {rids[1], rids[3]}
+    # reconcile's range sees every partition's ends, in end order
+    summaries = await Outbox(redis, keys).ended_between(0, int(time.time() * 1000) + 1000)
+    assert sorted(s.request_id for s, _ in summaries) == sorted([rids[0], rids[2]])
+    ends = [end_id for _, end_id in summaries]
+    assert ends == sorted(ends, key=lambda e: tuple(map(int, e.split("-"))))
+
+
+async def test_each_partition_has_its_own_queue(redis: Redis, keys: Keys) -> None:
+    queue = RequestQueue(redis, keys)
+    await queue.ensure_group()
+    rids = one_per_partition(keys)
+    for rid in rids:
+        await queue.enqueue(Job(rid, [1, 2], SamplingParams(max_tokens=3)))
+    assert await queue.depth() == PARTITIONS
+    for p, rid in enumerate(rids):
+        [(entry, job)] = await queue.read(p, "w", count=10, block_ms=50)
+        assert job.request_id == rid
+        assert await queue.read(p, "w", count=10, block_ms=10) == []
+        await queue.ack(p, entry)
+    assert await queue.depth() == 0
+
+
+async def test_the_recorder_frees_a_slot_its_writer_left_taken(
+    redis: Redis, keys: Keys, database_url: str
+) -> None:
+    """The writer of an end died before its ZREM: the recorder frees the slot."""
+    log = RedisLog(redis, keys)
+    outbox = Outbox(redis, keys)
+    rid = one_per_partition(keys)[2]
+    first = await log.create(rid, created("acme", None), 60)
+    owner = await log.claim(rid, "w")
+    assert owner is not None
+    slot = keys.inflight_of("acme", None)
+    await redis.zadd(slot, {rid: time.time() * 1000 + 60_000})
+    end = ev.End("finished", "stop", 2, 0)
+    summary = ev.summarize(rid, (first, created("acme", None)), end, now_ms=0)
+    await log.append(
+        rid,
+        owner.epoch,
+        [end],
+        terminal_state="finished",
+        ttl_s=60,
+        summary=ev.encode_summary(summary),
+        expect=owner.events,
+    )  # (no in-flight key given: as if the writer died before freeing it)
+    assert await redis.zscore(slot, rid) is not None
+    engine = make_engine(database_url)
+    recorder = Recorder(outbox, log, Ledger(engine), "rec", block_ms=50)
+    await outbox.ensure_group()
+    [entry] = await outbox.read(2, "rec", 10, pending=False, block_ms=50)
+    await recorder._record(2, entry)
+    assert await redis.zscore(slot, rid) is None
+    await engine.dispose()
