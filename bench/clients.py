@@ -66,14 +66,22 @@ def _emit_ms(event_id: str | None) -> int | None:
 
 
 class _Reader:
-    """Parses one SSE response, accumulating text and figures into ``run``."""
+    """Parses one SSE response, accumulating text and figures into ``run``.
+
+    As the SSE standard says: an event's fields collect until the blank line that
+    dispatches it, and only then is its id the last event id. The field order within
+    an event is free (lastevent and the baseline write ``data:`` before ``id:``), so
+    taking the id that was current when the ``data:`` line arrived would pair each
+    event with the previous one's id: a resume one event early (that event's text
+    twice) and emit times one token old."""
 
     def __init__(self, run: Run, started: float) -> None:
         self.run = run
         self.started = started
         self.pieces: list[str] = []
-        self.event_id: str | None = None
-        self.last_id: str | None = None
+        self.event_id: str | None = None  # the id field seen so far (it persists across events)
+        self.data: list[str] = []  # the data lines of the event not yet dispatched
+        self.last_id: str | None = None  # the id of the last dispatched event
         self.chunk_id: str | None = None
         self.finish_id: str | None = None
         self.cut_at: float = 0.0  # when the client left the stream on purpose
@@ -81,13 +89,22 @@ class _Reader:
         self.done = False
 
     def feed(self, line: str) -> bool:
-        """Take one line; True when a content event was taken."""
-        if line.startswith("id: "):
-            self.event_id = line[4:]
+        """Take one line; True when it dispatched a content event."""
+        if not line:
+            return self._dispatch()
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "id" and "\0" not in value:
+            self.event_id = value
+        elif name == "data":
+            self.data.append(value)
+        return False  # retry:, event:, comments: nothing to take
+
+    def _dispatch(self) -> bool:
+        if not self.data:  # e.g. the stream's leading retry: line
             return False
-        if not line.startswith("data: "):
-            return False
-        data = line[6:]
+        data = "\n".join(self.data)
+        self.data = []
         self.last_id = self.event_id
         if data == "[DONE]":
             self.done = True
