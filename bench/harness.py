@@ -136,7 +136,7 @@ def redis_memory(redis_url: str, prefix: str, rids: list[str]) -> tuple[float, f
     client = redis.Redis.from_url(redis_url)
     per_token, per_stream = [], []
     for rid in rids:
-        log_key, meta_key = f"{prefix}:{{{rid}}}:log", f"{prefix}:{{{rid}}}:meta"
+        log_key, meta_key = Keys(prefix).log(rid), Keys(prefix).meta(rid)
         log_bytes = client.memory_usage(log_key, samples=0) or 0
         meta_bytes = client.memory_usage(meta_key, samples=0) or 0
         last = client.xrevrange(log_key, count=1)
