@@ -74,7 +74,9 @@ class Recorder:
                     await self._record(partition, entry)
                 backoff = 0.2
             except STORE_ERRORS as exc:
-                log.warning("recorder: redis error (retrying in %.1fs): %s", backoff, exc)
+                # (an OSError may be Postgres's too: asyncpg's lost connection is one)
+                log.warning("recorder: store error (retrying in %.1fs): %s", backoff, exc)
+                state.backlog = True  # what was read and not acked: read it again first
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
             except Exception:  # Postgres down: keep the entries pending, retry
