@@ -45,6 +45,7 @@ class Recorder:
         claim_idle_ms: int = 30_000,
         retention_s: int = 7 * 86400,
         crash_after_insert: bool = False,
+        record_timeout_s: float = 20.0,
     ) -> None:
         self.outbox = outbox
         self.log = log_
@@ -55,6 +56,7 @@ class Recorder:
         self.claim_idle_ms = claim_idle_ms
         self.retention_s = retention_s
         self.crash_after_insert = crash_after_insert  # fault injection for tests
+        self.record_timeout_s = record_timeout_s  # one entry's row, archive and ack
         self._stopping = asyncio.Event()
 
     def stop(self) -> None:
@@ -71,8 +73,16 @@ class Recorder:
         while not self._stopping.is_set():
             try:
                 for entry in await self._next_entries(partition, state):
-                    await self._record(partition, entry)
+                    try:
+                        async with asyncio.timeout(self.record_timeout_s):
+                            await self._record(partition, entry)
+                    except TimeoutError as exc:  # (the traceback says where it stalled)
+                        took = f"recording {entry[0]!r} took over {self.record_timeout_s:g} s"
+                        raise Stalled(took) from exc
                 backoff = 0.2
+            except Stalled:
+                log.warning("recorder: stalled (retrying)", exc_info=True)
+                state.backlog = True
             except STORE_ERRORS as exc:
                 # (an OSError may be Postgres's too: asyncpg's lost connection is one)
                 log.warning("recorder: store error (retrying in %.1fs): %s", backoff, exc)
@@ -134,6 +144,12 @@ class Recorder:
             await free_slots(self.outbox.redis, [(slot, summary.request_id)])
         await self.outbox.ack(partition, entry_id)
         RECORD_DURATION.observe(time.monotonic() - started)
+
+
+class Stalled(Exception):
+    """Recording one entry did not finish in time: a connection that hangs instead of
+    failing (once, in CI, one partition's loop stopped for good during a Postgres outage
+    through a proxy; where it waited was not caught). The entry is read again."""
 
 
 @dataclasses.dataclass(slots=True)

@@ -5,6 +5,7 @@ freed after an end -- by the writer, and by the recorder when the writer died fi
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ from service.store.outbox import Outbox
 from service.store.queue import Job, RequestQueue
 from service.stream import events as ev
 from service.stream.params import SamplingParams
+from tests.waiting import eventually
 from workers.recorder import Recorder
 
 pytestmark = pytest.mark.timeout(60)
@@ -156,3 +158,52 @@ async def test_the_recorder_frees_a_slot_its_writer_left_taken(
     await recorder._record(2, entry)
     assert await redis.zscore(slot, rid) is None
     await engine.dispose()
+
+
+class HangsOnce:
+    """A real ledger whose first write never answers (a connection that hangs)."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.calls = 0
+
+    async def record(self, *args: object) -> bool:
+        self.calls += 1
+        if self.calls == 1:
+            await asyncio.Event().wait()
+        return await self.ledger.record(*args)  # type: ignore[arg-type]
+
+
+async def test_a_stalled_ledger_write_is_tried_again(
+    redis: Redis, keys: Keys, database_url: str
+) -> None:
+    log = RedisLog(redis, keys)
+    outbox = Outbox(redis, keys)
+    await outbox.ensure_group()
+    rid = one_per_partition(keys)[1]
+    first = await log.create(rid, created(), 60)
+    owner = await log.claim(rid, "w")
+    assert owner is not None
+    end = ev.End("finished", "stop", 2, 0)
+    summary = ev.summarize(rid, (first, created()), end, now_ms=0)
+    await log.append(
+        rid,
+        owner.epoch,
+        [end],
+        terminal_state="finished",
+        ttl_s=60,
+        summary=ev.encode_summary(summary),
+        expect=owner.events,
+    )
+    engine = make_engine(database_url)
+    ledger = Ledger(engine)
+    hangs = HangsOnce(ledger)
+    recorder = Recorder(outbox, log, hangs, "rec", block_ms=50, record_timeout_s=0.5)  # type: ignore[arg-type]
+    running = asyncio.create_task(recorder.run())
+    try:
+        await eventually(lambda: ledger.get(rid), "the row, after the stalled write", timeout=30)
+        assert hangs.calls == 2
+    finally:
+        recorder.stop()
+        await asyncio.wait_for(running, 10)
+        await engine.dispose()
