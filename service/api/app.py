@@ -298,6 +298,9 @@ def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
             ApiError: _api_error,
             HTTPException: _http_error,
             **{e: _store_unavailable for e in UNREACHABLE if e is not OSError},
+            # (a refused / reset connection: redis-py's cluster client re-learning its
+            # slot map lets the socket's own error out)
+            ConnectionError: _store_unavailable,
             PostgresUnavailable: _ledger_unavailable,
             Exception: _internal_error,
         },
