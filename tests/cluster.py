@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -25,14 +26,18 @@ SLOTS = 16384
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [int(s.getsockname()[1]) for s in socks]
-    for s in socks:
-        s.close()
+    """``n`` ports that are free now, below Linux's ephemeral range (32768-60999), so that
+    no outgoing connection of a parallel test takes one before its server binds it."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
     return ports
 
 
@@ -58,7 +63,27 @@ class Node:
         self.node_timeout_ms = node_timeout_ms
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
+    def start(self, *, first: bool = False) -> None:
+        """Start the server; the ``first`` time, on new ports if one was taken meanwhile
+        (a parallel test's server: ports are only checked free, not held)."""
+        for _attempt in range(5):
+            self._spawn()
+            try:
+                _wait(f"node {self.port} answers", self._answers)
+                return
+            except RuntimeError:
+                if not first or self.proc is None or self.proc.poll() is None:
+                    raise
+                self.port, self.bus_port = _free_ports(2)
+                (self.dir / "nodes.conf").unlink(missing_ok=True)
+        raise RuntimeError(f"node {self.port}: no free ports")
+
+    def _answers(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"node {self.port} exited (see {self.dir / 'server.log'})")
+        return bool(self.client().ping())
+
+    def _spawn(self) -> None:
         args = [
             self.binary,
             "--port",
@@ -88,7 +113,6 @@ class Node:
         self.proc = subprocess.Popen(
             args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
-        _wait(f"node {self.port} answers", lambda: self.client().ping())
 
     def client(self) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2)
@@ -155,7 +179,7 @@ class LocalCluster:
 
     def start(self) -> LocalCluster:
         for node in self.nodes:
-            node.start()
+            node.start(first=True)
         n = len(self.primaries)
         for i, node in enumerate(self.primaries):
             lo, hi = i * SLOTS // n, (i + 1) * SLOTS // n - 1
