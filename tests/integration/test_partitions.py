@@ -58,6 +58,24 @@ def created(tenant: str = "t", key_id: str | None = "k1") -> ev.Created:
     )
 
 
+async def end_in_the_log(log: RedisLog, rid: str, first: ev.Created) -> None:
+    """A request created, claimed and ended (finished), its outbox entry written."""
+    first_id = await log.create(rid, first, 60)
+    owner = await log.claim(rid, "w")
+    assert owner is not None
+    end = ev.End("finished", "stop", 2, 0)
+    summary = ev.summarize(rid, (first_id, first), end, now_ms=0)
+    await log.append(
+        rid,
+        owner.epoch,
+        [end],
+        terminal_state="finished",
+        ttl_s=60,
+        summary=ev.encode_summary(summary),
+        expect=owner.events,
+    )
+
+
 async def test_a_flush_over_every_partition_writes_each_request_in_order(
     redis: Redis, keys: Keys
 ) -> None:
@@ -134,22 +152,10 @@ async def test_the_recorder_frees_a_slot_its_writer_left_taken(
     log = RedisLog(redis, keys)
     outbox = Outbox(redis, keys)
     rid = one_per_partition(keys)[2]
-    first = await log.create(rid, created("acme", None), 60)
-    owner = await log.claim(rid, "w")
-    assert owner is not None
     slot = keys.inflight_of("acme", None)
     await redis.zadd(slot, {rid: time.time() * 1000 + 60_000})
-    end = ev.End("finished", "stop", 2, 0)
-    summary = ev.summarize(rid, (first, created("acme", None)), end, now_ms=0)
-    await log.append(
-        rid,
-        owner.epoch,
-        [end],
-        terminal_state="finished",
-        ttl_s=60,
-        summary=ev.encode_summary(summary),
-        expect=owner.events,
-    )  # (no in-flight key given: as if the writer died before freeing it)
+    # (no in-flight key given: as if the writer died before freeing it)
+    await end_in_the_log(log, rid, created("acme", None))
     assert await redis.zscore(slot, rid) is not None
     engine = make_engine(database_url)
     recorder = Recorder(outbox, log, Ledger(engine), "rec", block_ms=50)
@@ -181,20 +187,7 @@ async def test_a_stalled_ledger_write_is_tried_again(
     outbox = Outbox(redis, keys)
     await outbox.ensure_group()
     rid = one_per_partition(keys)[1]
-    first = await log.create(rid, created(), 60)
-    owner = await log.claim(rid, "w")
-    assert owner is not None
-    end = ev.End("finished", "stop", 2, 0)
-    summary = ev.summarize(rid, (first, created()), end, now_ms=0)
-    await log.append(
-        rid,
-        owner.epoch,
-        [end],
-        terminal_state="finished",
-        ttl_s=60,
-        summary=ev.encode_summary(summary),
-        expect=owner.events,
-    )
+    await end_in_the_log(log, rid, created())
     engine = make_engine(database_url)
     ledger = Ledger(engine)
     hangs = HangsOnce(ledger)
