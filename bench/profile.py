@@ -2,10 +2,11 @@
 
 Starts the same stack as ``bench/harness.py`` (one worker, one API process, the scripted
 engine, the local Redis, no Postgres), attaches ``py-spy record`` to the worker and to the
-API process (``--nonblocking``, 100 samples/s, active threads only), drives ``--streams``
-concurrent streams through it, and prints for each process the functions that were on
-CPU most, by self time and by total time (share of the samples), plus Redis's own
-``INFO commandstats`` over the run: microseconds per command, per 1,000 delivered tokens.
+API process (``--nonblocking --gil``, 100 samples/s: Python on CPU, not its waits),
+drives ``--streams`` concurrent streams through it, and prints for each process its
+user and system CPU per 1,000 tokens and the functions that were on CPU most, by self
+time and by total time (share of the samples), plus Redis's own ``INFO commandstats``
+over the run: microseconds per command, per 1,000 delivered tokens.
 
     .venv/bin/pip install py-spy        # (not a project dependency: a profiling tool)
     .venv/bin/python -m bench.profile --streams 200
@@ -26,6 +27,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import redis
 
 from bench.clients import MODEL, drive
@@ -88,6 +90,7 @@ def sampling(pids: dict[str, int], out: Path, seconds: int) -> Iterator[dict[str
                 "--rate",
                 "100",
                 "--nonblocking",
+                "--gil",  # only the thread holding the GIL: Python on CPU, not waits
                 "--duration",
                 str(seconds),
                 "--output",
@@ -124,13 +127,23 @@ def main() -> None:
         prefix = f"prof{uuid.uuid4().hex[:6]}"
         base, pids = stack.enter_context(lastevent(args.model_dir, args.rate, url, prefix, out, 10))
         before = commandstats(url)
+        procs = {"worker": psutil.Process(pids[0]), "api": psutil.Process(pids[1])}
+        times0 = {name: p.cpu_times() for name, p in procs.items()}
         with sampling({"worker": pids[0], "api": pids[1]}, out, args.seconds) as files:
             run = asyncio.run(drive(base, "lastevent", args.streams, text, drops=0, aborts=0))
+            times1 = {name: p.cpu_times() for name, p in procs.items()}
         after = commandstats(url)
     print(
         f"\n{args.streams} streams x {args.rate:g} tok/s, ~{args.tokens} tokens: "
         f"{run.tokens} tokens in {run.wall_s:.1f} s; py-spy sampled the first {args.seconds} s"
     )
+    k = max(run.tokens, 1) / 1000
+    for name, t0 in times0.items():
+        t1 = times1[name]
+        print(
+            f"{name}: CPU ms per 1,000 tokens: user {1000 * (t1.user - t0.user) / k:.0f}, "
+            f"system {1000 * (t1.system - t0.system) / k:.0f} (the kernel: sockets, epoll)"
+        )
     for name, path in files.items():
         samples, self_, total = top(path, args.top)
         print(f"\n{name}: {samples} samples on CPU")
@@ -143,7 +156,6 @@ def main() -> None:
         print("\nby total time:")
         for frame, k in total:
             print(f"  {100 * k / samples:5.1f}%  {frame}")
-    k = max(run.tokens, 1) / 1000
     print("\nRedis, per 1,000 delivered tokens (INFO commandstats):")
     print("| command | calls | CPU us |")
     print("| --- | --- | --- |")

@@ -46,6 +46,8 @@ class Settings:
     reconnect_hint_ms: int = 1000  # the SSE `retry:` sent to streams when draining
     send_timeout_s: float = 30.0  # a client that accepts no bytes this long is cut off
     request_read_timeout_s: float = 10.0  # the whole request (head + body) must arrive in this
+    http: str = "httptools"  # the HTTP/1.1 implementation: httptools (C) | h11 (pure Python)
+    event_loop: str = "uvloop"  # every process's asyncio loop: uvloop (libuv) | asyncio
     operator_token: str | None = None  # break-glass Bearer token for /v1/admin (None: off)
     auth: str = "required"  # required | off (off: requests without a key act as "default")
     auth_cache_s: float = 30.0  # verified keys are cached this long (revocation delay)
@@ -98,6 +100,9 @@ class Settings:
     takeover_wait_s: float = 0.0  # how long a lost worker's request waits for another (0:
     # until its deadline); then it ends errored worker_lost
     request_deadline_s: float = 600.0
+    # a worker's appends go to Redis at most this often (ms): under load each flush carries
+    # this long's engine steps of all its requests, each token waits up to this long more
+    flush_interval_ms: float = 5.0
     # Prometheus /metrics of a worker or recorder process, on LASTEVENT_HOST (0: none); a
     # worker's in-process recorder shares the worker's (the API's: GET /metrics, its port)
     metrics_port: int = 9464

@@ -12,6 +12,7 @@ import signal
 
 from redis.asyncio import Redis
 
+from service import aio
 from service.ledger.ledger import Ledger, make_engine
 from service.settings import Settings
 from service.store.keys import Keys
@@ -166,12 +167,14 @@ async def serve_recorder(settings: Settings) -> None:
 
 def main(settings: Settings | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    asyncio.run(serve(settings or Settings.from_env()))
+    settings = settings or Settings.from_env()
+    aio.run(serve(settings), settings.event_loop)
 
 
 def main_recorder(settings: Settings | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    asyncio.run(serve_recorder(settings or Settings.from_env()))
+    settings = settings or Settings.from_env()
+    aio.run(serve_recorder(settings), settings.event_loop)
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ class Runner:
         self.heartbeats = Heartbeats(redis, keys)
         self.outbox = Outbox(redis, keys)
         self.control = Control(redis, keys)
-        self.batcher = AppendBatcher(self.log)
+        self.batcher = AppendBatcher(self.log, interval_s=settings.flush_interval_ms / 1000)
         self.generation = Generation(engine, model, self.batcher, settings.request_deadline_s)
         self.running: set[str] = set()  # request ids inside the engine
         self.decisions: dict[str, State] = {}  # cancel / abandon decisions not yet applied
