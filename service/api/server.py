@@ -84,19 +84,20 @@ class RedactTokens(logging.Filter):
 
 class _ReadDeadline:
     """The slowloris guard, for either protocol class: a connection whose request is not
-    all in within ``read_timeout_s`` of the connection (or of the previous response) is
-    closed; ``request_in`` says when it is (then the response takes as long as it needs)."""
+    all in within ``read_timeout_s`` of the connection (or of the response before it) is
+    closed. A request that is all in -- also one pipelined behind another, received while
+    that one was answered -- is not timed: its response takes as long as it needs."""
 
     read_timeout_s: float
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
     logger: logging.Logger
     _read_timer: asyncio.TimerHandle | None = None
-    request_in = False
+    _received = 0  # requests all in so far
+    _answered = 0  # responses complete so far
 
     def _arm(self) -> None:
         self._disarm()
-        self.request_in = False
         self._read_timer = self.loop.call_later(self.read_timeout_s, self._read_timed_out)
 
     def _disarm(self) -> None:
@@ -105,12 +106,18 @@ class _ReadDeadline:
             self._read_timer = None
 
     def _request_complete(self) -> None:
-        self.request_in = True
+        self._received += 1
         self._disarm()
+
+    def _response_complete(self) -> None:
+        """The next request gets its own deadline, unless it is all in already."""
+        self._answered += 1
+        if self._received <= self._answered and not self.transport.is_closing():
+            self._arm()
 
     def _read_timed_out(self) -> None:
         self._read_timer = None
-        if not self.request_in and not self.transport.is_closing():
+        if not self.transport.is_closing():
             self.logger.info(
                 "closing a connection whose request took over %ss", self.read_timeout_s
             )
@@ -126,15 +133,18 @@ def guarded_h11(read_timeout_s: float) -> type[H11Protocol]:
             super().connection_made(transport)
             self._arm()
 
+        _counted: object = None  # the h11 cycle whose request was counted in
+
         def handle_events(self) -> None:
             super().handle_events()
-            if self.conn.their_state is h11.DONE:  # the whole request is in
+            if self.conn.their_state is h11.DONE and self._counted is not self.cycle:
+                self._counted = self.cycle  # the whole request is in
                 self._request_complete()
 
         def on_response_complete(self) -> None:
+            # (timed first: uvicorn handles a request already buffered behind it right away)
+            self._response_complete()
             super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm()  # the next request on this connection gets its own deadline
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
@@ -150,26 +160,63 @@ def guarded_httptools(read_timeout_s: float, max_head_bytes: int) -> type[HttpTo
     is answered 431 and the connection closed."""
 
     class GuardedHttpTools(_ReadDeadline, HttpToolsProtocol):
-        _head_bytes = 0
         _in_head = True  # reading a request's head (until its headers are complete)
+        _head_bytes = 0  # what arrived of the head in progress
+        _parsed = 0  # its URL and headers as parsed
+        _flooded = False
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self._arm()
 
         def data_received(self, data: bytes) -> None:
+            if self._flooded:
+                return
             if self._in_head:
-                self._head_bytes += len(data)
-                if self._head_bytes > max_head_bytes:
-                    self._too_large()
-                    return
+                self._head_bytes += len(data)  # (a bound: part of it may be the body)
             super().data_received(data)
+            # still in the head after all of it, or its parsed parts too long
+            if self._flooded or (self._in_head and self._head_bytes > max_head_bytes):
+                self._too_large()
+
+        def _count(self, n: int) -> bool:
+            """Count parsed head bytes; False once the head is too large."""
+            self._parsed += n
+            if self._parsed > max_head_bytes:
+                self._flooded = True
+            return not self._flooded
+
+        def on_message_begin(self) -> None:
+            self._in_head, self._head_bytes, self._parsed = True, 0, 0
+            super().on_message_begin()
+
+        def on_url(self, url: bytes) -> None:
+            if self._count(len(url)):
+                super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            if self._count(len(name) + len(value) + 4):
+                super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            if not self._flooded:  # a flooded request never reaches the app
+                super().on_headers_complete()
+
+        def on_body(self, body: bytes) -> None:
+            if not self._flooded:
+                super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            if not self._flooded:
+                super().on_message_complete()
+                self._request_complete()
 
         def _too_large(self) -> None:
-            self.logger.info(
-                "closing a connection whose request head is over %d bytes", max_head_bytes
-            )
-            self._in_head = False
+            self._flooded = True
+            if self.transport.is_closing():
+                return
+            self.logger.info("closing a connection whose request head is over %d B", max_head_bytes)
             body = b"request header fields too large"
             self.transport.write(
                 b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
@@ -178,19 +225,9 @@ def guarded_httptools(read_timeout_s: float, max_head_bytes: int) -> type[HttpTo
             )
             self.transport.close()
 
-        def on_headers_complete(self) -> None:
-            self._in_head = False
-            super().on_headers_complete()
-
-        def on_message_complete(self) -> None:
-            super().on_message_complete()
-            self._request_complete()
-
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing():
-                self._in_head, self._head_bytes = True, 0
-                self._arm()
+            self._response_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()

@@ -316,19 +316,9 @@ def test_a_long_response_is_not_cut(served: Served) -> None:
     assert time.monotonic() - started > READ_TIMEOUT_S  # (the stream sleeps for longer)
 
 
-def test_a_long_pipelined_response_is_not_cut(
-    served: Served, request: pytest.FixtureRequest
-) -> None:
+def test_a_long_pipelined_response_is_not_cut(served: Served) -> None:
     """Two requests sent at once: the second is all in before the first is answered,
     so its response too streams past the read timeout, to its end."""
-    known_bug(
-        request,
-        served,
-        {"httptools", "h11"},
-        "on_response_complete re-arms the deadline after the first response although the "
-        "pipelined second request is already in (request_in is reset): its stream is cut "
-        "a read timeout later",
-    )
     with Conn(served.port) as conn:
         conn.send(get("/") + get("/stream"))
         first = conn.read_response()
@@ -394,20 +384,10 @@ def test_head_under_the_limit_is_served(served: Served) -> None:
     assert (answer.status, answer.body) == (200, b"ok")
 
 
-def test_large_body_behind_a_small_head_is_served(
-    served: Served, request: pytest.FixtureRequest
-) -> None:
+def test_large_body_behind_a_small_head_is_served(served: Served) -> None:
     """The head limit is the head's: a body (here 512 KiB) read at once with its head
     does not count towards it. (So that the server reads them at once whatever the load,
     it is sent while another request holds the server's event loop.)"""
-    known_bug(
-        request,
-        served,
-        {"httptools"},
-        "the guard counts every byte of a read that holds the head, body bytes included, "
-        "before the parser finds the end of the head: a head and over ~64 KiB of body "
-        "read at once are answered 431",
-    )
     size = 512 * 1024
     head = b"POST /stream HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size
     with Conn(served.port) as holder, Conn(served.port) as conn:
