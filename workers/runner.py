@@ -2,7 +2,7 @@
 
 Per request: take ownership (owner epoch), run it through the engine
 (``generate.Generation``), count what was wasted, append the terminal event with its
-outbox entry (the recorder turns that into the billing row), then ack the job. The
+outbox entry (the recorder turns that into the billing row) and the job's ack. The
 presence watch (``presence.PresenceWatch``) turns cancels and departed readers into
 abort decisions; a heartbeat tells the API processes this worker is alive.
 
@@ -239,7 +239,7 @@ class Runner:
                 await self.queue.ack(self.keys.partition(rid), entry_id)
                 return
             dispatched_ms = int(time.time() * 1000)
-            first = await self.log.first_with_id(rid)
+            first = owner.first
             first_run = owner.epoch <= 1
             if first_run:
                 PROMPT_TOKENS.inc(len(job.prompt_token_ids))
@@ -265,8 +265,8 @@ class Runner:
             if outcome.handed_over:
                 await self._hand_over(entry_id, job, owner)
                 return
-            await self._end(job, owner, first, outcome, dispatched_ms, recovery)
-            await self.queue.ack(self.keys.partition(rid), entry_id)
+            # the end acknowledges the queue entry, in the same step
+            await self._end(job, owner, first, outcome, dispatched_ms, recovery, entry_id)
             took_ms = time.time() * 1000 - dispatched_ms
             self.mean_service_ms = (
                 took_ms
@@ -342,8 +342,10 @@ class Runner:
         outcome: Outcome,
         dispatched_ms: int,
         recovery: Recovery,
+        entry_id: bytes,
     ) -> None:
-        """The terminal event, with its waste count and outbox summary, in one append."""
+        """The terminal event, with its waste count and outbox summary, in one append that
+        also acknowledges the queue entry ``entry_id``."""
         rid = job.request_id
         end = outcome.events[-1]
         assert isinstance(end, End)
@@ -373,6 +375,7 @@ class Runner:
             inflight_key=""
             if first is None
             else self.keys.inflight_of(first[1].tenant, first[1].api_key_id),
+            ack=entry_id,
         )
         REQUEST_DURATION.labels(state=end.state).observe(
             max(0.0, time.time() - dispatched_ms / 1000)

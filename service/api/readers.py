@@ -94,6 +94,7 @@ async def sse_frames(
             sent = reached  # the send completed: it reached the connection
             lease.delivered = max(lease.delivered, sum(sent.values()))
             if ended:
+                lease.ended = True
                 return
     finally:
         sub.close()
@@ -176,6 +177,7 @@ async def _until_end(ctx: Context, rid: str, lease: Lease, feed: Callable[[Event
                 feed(event)
                 if isinstance(event, End):
                     lease.delivered = event.completion_tokens
+                    lease.ended = True
                     return
     finally:
         sub.close()
@@ -250,6 +252,7 @@ async def response_frames(
             if out:
                 yield response_sse(out)
             if ended:
+                lease.ended = True
                 return
     finally:
         sub.close()

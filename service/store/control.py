@@ -75,6 +75,7 @@ class Control:
             self.keys.log(rid),
             self.keys.outbox_of(rid),
             self.keys.scratch(rid),
+            self.keys.tails(rid),
         ]
         args: list[Any] = [ev.encode(queued_end), ttl_s, ev.encode_summary(queued_summary)]
         parts = replies.texts(await self._cancel(keys=keys, args=args))

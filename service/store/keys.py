@@ -29,6 +29,7 @@ RECORDER_GROUP = "recorders"  # the consumer group that projects the outbox into
 SUMMARY_FIELD = b"s"  # outbox entry: a msgpack-encoded Summary of the ended request
 END_ID_FIELD = b"i"  # outbox entry: the terminal event's id
 JOB_FIELD = b"j"  # the one field of each queue entry: a msgpack-encoded job
+LOG_FIELD = b"k"  # a tail shard's wake entry: the log key that changed (none: just a wake)
 
 
 MAX_PARTITIONS = 1024
@@ -120,6 +121,11 @@ class Keys:
         """The request's reader leases: a sorted set of reader tokens scored by expiry (ms)."""
         return f"{self._r(request_id)}:readers"
 
+    def tails(self, request_id: str) -> str:
+        """The tail shards following the request's log: a set of their wake streams, each
+        of which every append to the log notifies (so a shard reads only changed logs)."""
+        return f"{self._r(request_id)}:tails"
+
     def control(self, worker_id: str) -> str:
         """A worker's pub/sub channel: ``cancel:<request id>`` / ``check:<request id>``."""
         return f"{self.prefix}:ctl:{worker_id}"
@@ -154,6 +160,7 @@ class Keys:
         return f"{self.prefix}:idem:{principal}:{key}"
 
     def wake(self, partition: int, process_id: str) -> str:
-        """A stream of one tail shard of an API process, in the partition the shard follows,
-        used to wake its multiplexed ``XREAD BLOCK``."""
+        """A stream of one tail shard of an API process, in the partition the shard follows:
+        appends to the logs it follows add the log's key (``LOG_FIELD``), a new reader an
+        entry that just wakes its ``XREAD BLOCK``."""
         return f"{self._p(partition)}:wake:{process_id}"

@@ -142,15 +142,23 @@ class RedisLog:
     async def claim(
         self, request_id: str, worker_id: str, entry_id: bytes | str = ""
     ) -> Owner | None:
-        """Become the owner; ``None`` if the request is unknown or already ended, or if
+        """Become the owner (with the log's ``created`` event, read in the same step);
+        ``None`` if the request is unknown or already ended, or if
         ``entry_id`` (the queue entry the caller holds) is not the request's current one.
         The same worker claiming again (a retry after a lost reply) keeps its epoch."""
         entry = replies.text(entry_id)
-        raw = await self._claim(keys=[self.keys.meta(request_id)], args=[worker_id, entry])
+        raw = await self._claim(
+            keys=[self.keys.meta(request_id), self.keys.log(request_id)], args=[worker_id, entry]
+        )
         epoch = replies.integer(raw[0])
         if epoch <= 0:
             return None
-        return Owner(request_id, epoch, replies.integer(raw[1]))
+        first: tuple[EventId, ev.Created] | None = None
+        if len(raw) > 3:
+            event = ev.decode(raw[3])
+            if isinstance(event, ev.Created):
+                first = (_decode_id(raw[2]), event)
+        return Owner(request_id, epoch, replies.integer(raw[1]), first)
 
     async def resumed(self, owner: Owner, reprefill_tokens: int) -> Recovery:
         """The owner continues a request another worker started, prefilling
@@ -222,7 +230,7 @@ class RedisLog:
     async def _append_partition(
         self, partition: int, items: Sequence[Append]
     ) -> list[list[EventId] | LogError]:
-        keys: list[str] = [self.keys.outbox(partition)]
+        keys: list[str] = [self.keys.outbox(partition), self.keys.queue(partition)]
         args: list[bytes | str | int] = []
         for item in items:
             rid = item.request_id
@@ -231,14 +239,15 @@ class RedisLog:
                 self.keys.log(rid),
                 self.keys.readers(rid),
                 self.keys.scratch(rid),
+                self.keys.tails(rid),
             ]
             args += [
-                rid,
                 str(item.epoch),
                 "" if item.expect is None else item.expect,
                 item.terminal_state,
                 item.ttl_s,
                 item.summary,
+                item.ack,
                 len(item.events),
             ]
             args.extend(ev.encode(e) for e in item.events)
@@ -332,7 +341,11 @@ class RedisLog:
         """Remove an ended request's log and control keys (one slot: its hash tag)."""
         k = self.keys
         await self.redis.delete(
-            k.log(request_id), k.meta(request_id), k.readers(request_id), k.scratch(request_id)
+            k.log(request_id),
+            k.meta(request_id),
+            k.readers(request_id),
+            k.scratch(request_id),
+            k.tails(request_id),
         )
 
     async def read_raw(self, request_id: str) -> list[tuple[EventId, bytes]]:
@@ -384,6 +397,7 @@ class Append:
     summary: bytes = b""
     expect: int | None = None  # entries the log holds before these (None: no check)
     inflight_key: str = ""  # the API key's in-flight set, freed at the terminal event
+    ack: bytes = b""  # the queue entry to acknowledge (and delete) with the terminal event
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -404,6 +418,7 @@ class Owner:
     request_id: str
     epoch: int
     events: int
+    first: tuple[EventId, ev.Created] | None = None  # the log's ``created`` (from the claim)
 
 
 class AppendBatcher:
@@ -452,9 +467,11 @@ class AppendBatcher:
         summary: bytes = b"",
         give_up_at: float = 0.0,
         inflight_key: str = "",
+        ack: bytes = b"",
     ) -> list[EventId]:
         """Append at ``owner``'s position; ``give_up_at`` (unix s): keep trying through a
-        Redis outage until then (0: fail on the first connection error)."""
+        Redis outage until then (0: fail on the first connection error); ``ack``: the
+        queue entry the terminal event acknowledges."""
         future: asyncio.Future[list[EventId]] = asyncio.get_running_loop().create_future()
         item = Append(
             owner.request_id,
@@ -465,6 +482,7 @@ class AppendBatcher:
             summary,
             owner.events,
             inflight_key,
+            ack,
         )
         self._pending.append((item, owner, give_up_at, future))
         self._wakeup.set()

@@ -35,6 +35,9 @@ class Lease:
     # left before the response began) lets it lapse after one lease TTL.
     adopted: bool = False
     taken_ms: int = 0
+    # the reader got the terminal event: the request is over, its readers set gone with
+    # it (the end's script drops it), so releasing the lease needs no round trip
+    ended: bool = False
 
     async def release(self) -> None:
         await self.presence.release(self)
@@ -84,6 +87,8 @@ class Presence:
         if lease not in self._leases:
             return
         self._leases.discard(lease)
+        if lease.ended:
+            return
         try:
             # shielded: a reader's task is often being cancelled (client gone) right now
             await asyncio.shield(self.control.leave(lease.request_id, lease.token, lease.delivered))

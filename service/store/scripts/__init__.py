@@ -17,8 +17,17 @@ from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
-from service.store.keys import END_ID_FIELD, EVENT_FIELD, JOB_FIELD, SUMMARY_FIELD
+from service.store.keys import (
+    END_ID_FIELD,
+    EVENT_FIELD,
+    JOB_FIELD,
+    LOG_FIELD,
+    QUEUE_GROUP,
+    SUMMARY_FIELD,
+)
 from service.stream.lifecycle import lua_prelude
+
+WAKE_MAXLEN = 10_000  # entries of a tail shard's wake stream, at most (about)
 
 NAMES = (
     "admit",
@@ -27,6 +36,7 @@ NAMES = (
     "check",
     "claim",
     "create",
+    "follow",
     "lease",
     "leave",
     "requeue",
@@ -42,9 +52,28 @@ def prelude() -> str:
         "summary": SUMMARY_FIELD,
         "end_id": END_ID_FIELD,
         "job": JOB_FIELD,
+        "log": LOG_FIELD,
     }
     table = ", ".join(f"{name}='{value.decode()}'" for name, value in fields.items())
-    return lua_prelude() + f"local F = {{{table}}}\n"
+    group = f"local QUEUE_GROUP = '{QUEUE_GROUP}'\nlocal WAKE_MAXLEN = {WAKE_MAXLEN}\n"
+    return lua_prelude() + f"local F = {{{table}}}\n" + group + NOTIFY
+
+
+# Tell the tail shards following a log that it changed: each shard's wake stream gets the
+# log's key (``keys.py``: ``tails``, ``wake``). The wake streams are in the log's slot but
+# not in KEYS (the caller cannot know them). A stream that is gone (its API process died,
+# its TTL ran out) is forgotten rather than made again without a TTL; a shard trims its own
+# stream, the cap only bounds one that stopped reading.
+NOTIFY = """local function notify(tails_key, log_key)
+  for _, wake in ipairs(redis.call('SMEMBERS', tails_key)) do
+    if redis.call('EXISTS', wake) == 1 then
+      redis.call('XADD', wake, 'MAXLEN', '~', WAKE_MAXLEN, '*', F.log, log_key)
+    else
+      redis.call('SREM', tails_key, wake)
+    end
+  end
+end
+"""
 
 
 def body(name: str) -> str:

@@ -3,27 +3,30 @@
 -- caller still owns it and the log is where the caller thinks it is; the terminal event
 -- and its outbox entry go together or not at all.
 -- All the requests of one call are in one partition (one cluster slot).
--- KEYS[1] the partition's outbox; then per request: meta, log, readers (dropped at the
--- terminal event), scratch (the finished log is copied there and renamed back: see below).
+-- KEYS[1] the partition's outbox, KEYS[2] its queue; then per request: meta, log, readers (dropped at the
+-- terminal event), scratch (the finished log is copied there and renamed back: see below),
+-- tails (the tail shards to notify: the prelude's notify; dropped at the terminal event).
 -- (The caller frees the request's admission slot after a terminal event: another slot.)
--- ARGV, per request: request id, owner epoch, expected entries in the log before these ('' to not
+-- ARGV, per request: owner epoch, expected entries in the log before these ('' to not
 -- check), terminal state ('' if not terminal), TTL in seconds applied to its keys when
--- terminal, encoded Summary for the outbox ('' if none), number of events n, the n events
+-- terminal, encoded Summary for the outbox ('' if none), the queue entry the terminal event
+-- acknowledges and deletes ('' if none), number of events n, the n events
 -- Returns one array per request: {'OK', <entry id>...}, or {'FENCED ...'} (not the
 -- owner) / {'ENDED ...'} (already terminal) / {'GAP ...'} (the log does not hold what the
 -- caller wrote: Redis lost data) / {'GONE ...'} (Redis lost the whole request), which leave
 -- that request untouched. The same append
 -- sent again (its reply was lost) is not written twice: it answers the ids it got.
 local out = {}
-local a, k = 1, 2
+local a, k = 1, 3
 while a <= #ARGV do
-  local rid, epoch, expect, terminal = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
-  local ttl, summary = ARGV[a + 4], ARGV[a + 5]
+  local epoch, expect, terminal = ARGV[a], ARGV[a + 1], ARGV[a + 2]
+  local ttl, summary, ack = ARGV[a + 3], ARGV[a + 4], ARGV[a + 5]
   local n = tonumber(ARGV[a + 6])
   local first = a + 7
   local last = first + n - 1
   local meta_key, log_key, readers_key, scratch_key = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
-  a, k = last + 1, k + 4
+  local tails_key = KEYS[k + 4]
+  a, k = last + 1, k + 5
   local meta = redis.call('HMGET', meta_key, M.epoch, M.state, M.events)
   local state = meta[2]
   local have = tonumber(meta[3] or '0')
@@ -49,9 +52,10 @@ while a <= #ARGV do
     if #ids > 1 then
       redis.call('HSET', meta_key, M.last, ids[#ids])
       redis.call('HINCRBY', meta_key, M.events, #ids - 1)
+      notify(tails_key, log_key)
     end
     if terminal ~= '' then
-      redis.call('DEL', readers_key)
+      redis.call('DEL', readers_key, tails_key)
       -- Right-size the finished log: Redis preallocates a stream node's listpack to
       -- stream-node-max-bytes (4 KiB by default) and never shrinks the last node, which
       -- for a short answer is most of its memory; a copy is allocated to fit.
@@ -66,6 +70,10 @@ while a <= #ARGV do
         local end_id = ids[#ids]
         if #ids == 1 then end_id = redis.call('HGET', meta_key, M.last) or '' end
         redis.call('XADD', KEYS[1], '*', F.summary, summary, F.end_id, end_id)
+      end
+      if ack ~= '' then
+        redis.call('XACK', KEYS[2], QUEUE_GROUP, ack)
+        redis.call('XDEL', KEYS[2], ack)
       end
     end
     out[#out + 1] = ids
