@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import io
 import logging
 import os
 import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from service.ledger.ledger import Ledger
 from service.store.log import RedisLog, free_slots
@@ -30,6 +33,7 @@ from service.stream import archive
 from workers.metrics import LEDGER_FAILURES, RECORD_DURATION, RECORD_LAG, RECORDED
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Recorder:
@@ -58,6 +62,7 @@ class Recorder:
         self.crash_after_insert = crash_after_insert  # fault injection for tests
         self.record_timeout_s = record_timeout_s  # one entry's row, archive and ack
         self._stopping = asyncio.Event()
+        self._left_behind: set[asyncio.Task[Any]] = set()  # stalled work that ignored cancel
 
     def stop(self) -> None:
         self._stopping.set()
@@ -72,16 +77,20 @@ class Recorder:
         backoff = 0.2
         while not self._stopping.is_set():
             try:
-                for entry in await self._next_entries(partition, state):
-                    try:
-                        async with asyncio.timeout(self.record_timeout_s):
-                            await self._record(partition, entry)
-                    except TimeoutError as exc:  # (the traceback says where it stalled)
-                        took = f"recording {entry[0]!r} took over {self.record_timeout_s:g} s"
-                        raise Stalled(took) from exc
+                entries = await self._bounded(
+                    self._next_entries(partition, state),
+                    f"reading partition {partition}'s outbox",
+                    self.block_ms / 1000 + self.record_timeout_s,
+                )
+                for entry in entries:
+                    await self._bounded(
+                        self._record(partition, entry),
+                        f"recording {entry[0]!r}",
+                        self.record_timeout_s,
+                    )
                 backoff = 0.2
-            except Stalled:
-                log.warning("recorder: stalled (retrying)", exc_info=True)
+            except Stalled as exc:
+                log.warning("recorder: stalled (retrying): %s", exc)
                 state.backlog = True
             except STORE_ERRORS as exc:
                 # (an OSError may be Postgres's too: asyncpg's lost connection is one)
@@ -97,6 +106,26 @@ class Recorder:
                 state.backlog = True
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
+
+    async def _bounded(self, work: Coroutine[Any, Any, T], what: str, timeout_s: float) -> T:
+        """``work``, within ``timeout_s``: else it is cancelled and ``Stalled`` raised, with
+        where it waited. Work that does not even stop when cancelled (an await that swallows
+        the cancellation) is left behind, so that the partition's loop goes on regardless.
+        (Once, in CI, one partition's loop stopped for good during a Postgres outage through
+        a proxy, no error logged: a bound on the record alone did not catch it.)"""
+        task = asyncio.ensure_future(work)
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        if task in done:
+            return task.result()
+        where = io.StringIO()
+        task.print_stack(file=where)
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=1.0)
+        if task not in done:
+            self._left_behind.add(task)
+            task.add_done_callback(self._left_behind.discard)
+            what += " (it did not stop when cancelled: left behind)"
+        raise Stalled(f"{what} took over {timeout_s:g} s; it waited at:\n{where.getvalue()}")
 
     async def _next_entries(self, partition: int, state: _Reading) -> list[Entry]:
         if time.monotonic() - state.last_claim > max(1.0, self.claim_idle_ms / 2000):
@@ -147,9 +176,8 @@ class Recorder:
 
 
 class Stalled(Exception):
-    """Recording one entry did not finish in time: a connection that hangs instead of
-    failing (once, in CI, one partition's loop stopped for good during a Postgres outage
-    through a proxy; where it waited was not caught). The entry is read again."""
+    """Reading the outbox or recording one entry did not finish in time: a connection that
+    hangs instead of failing. What was read is read again."""
 
 
 @dataclasses.dataclass(slots=True)

@@ -167,21 +167,31 @@ async def test_the_recorder_frees_a_slot_its_writer_left_taken(
 
 
 class HangsOnce:
-    """A real ledger whose first write never answers (a connection that hangs)."""
+    """A real ledger whose first write never answers (a connection that hangs); with
+    ``deaf``, that write does not even stop when cancelled (an await that swallows it)."""
 
-    def __init__(self, ledger: Ledger) -> None:
+    def __init__(self, ledger: Ledger, *, deaf: bool = False) -> None:
         self.ledger = ledger
         self.calls = 0
+        self.deaf = deaf
+        self.released = asyncio.Event()
 
     async def record(self, *args: object) -> bool:
         self.calls += 1
         if self.calls == 1:
-            await asyncio.Event().wait()
+            while True:
+                try:
+                    await self.released.wait()
+                    break
+                except asyncio.CancelledError:
+                    if not self.deaf:
+                        raise
         return await self.ledger.record(*args)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("deaf", [False, True], ids=["cancellable", "ignores-cancel"])
 async def test_a_stalled_ledger_write_is_tried_again(
-    redis: Redis, keys: Keys, database_url: str
+    redis: Redis, keys: Keys, database_url: str, deaf: bool
 ) -> None:
     log = RedisLog(redis, keys)
     outbox = Outbox(redis, keys)
@@ -190,13 +200,15 @@ async def test_a_stalled_ledger_write_is_tried_again(
     await end_in_the_log(log, rid, created())
     engine = make_engine(database_url)
     ledger = Ledger(engine)
-    hangs = HangsOnce(ledger)
+    hangs = HangsOnce(ledger, deaf=deaf)
     recorder = Recorder(outbox, log, hangs, "rec", block_ms=50, record_timeout_s=0.5)  # type: ignore[arg-type]
     running = asyncio.create_task(recorder.run())
     try:
         await eventually(lambda: ledger.get(rid), "the row, after the stalled write", timeout=30)
         assert hangs.calls == 2
+        assert len(recorder._left_behind) == int(deaf)  # the deaf write still waits
     finally:
+        hangs.released.set()
         recorder.stop()
         await asyncio.wait_for(running, 10)
         await engine.dispose()
