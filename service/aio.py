@@ -10,8 +10,8 @@ T = TypeVar("T")
 
 
 def run(main: Coroutine[Any, Any, T], event_loop: str) -> T:
-    """``asyncio.run`` on uvloop (libuv's loop, in C: about half the CPU per socket read
-    and timer of asyncio's own) or on asyncio's loop."""
+    """``asyncio.run`` on uvloop (libuv's loop, in C: less CPU per socket read and timer
+    than asyncio's own) or on asyncio's loop."""
     if event_loop == "uvloop":
         import uvloop
 

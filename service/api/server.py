@@ -9,7 +9,7 @@ sends its head (or body) a byte at a time holds a connection for ever (slowloris
 The guarded protocols close a connection whose request is not complete within
 ``read_timeout_s`` of the connection (or of the previous response) -- after that
 the response streams for as long as it needs. ``LASTEVENT_HTTP`` picks httptools
-(llhttp, in C: the default; it costs about half of h11's CPU per streamed event) or
+(llhttp, in C: the default; h11 cost the API 1.1-1.2x its CPU per streamed token) or
 h11 (pure Python); ``LASTEVENT_EVENT_LOOP`` uvloop (the default) or asyncio.
 """
 

@@ -62,15 +62,13 @@ def prelude() -> str:
 # Tell the tail shards following a log that it changed: each shard's wake stream gets the
 # log's key (``keys.py``: ``tails``, ``wake``). The wake streams are in the log's slot but
 # not in KEYS (the caller cannot know them). A stream that is gone (its API process died,
-# its TTL ran out) is forgotten rather than made again without a TTL; a shard trims its own
-# stream, the cap only bounds one that stopped reading.
+# its TTL ran out) is forgotten rather than made again without a TTL (NOMKSTREAM). The cap
+# bounds a stream whose shard fell behind or stopped; a shard makes up with its sweep.
 NOTIFY = """local function notify(tails_key, log_key)
   for _, wake in ipairs(redis.call('SMEMBERS', tails_key)) do
-    if redis.call('EXISTS', wake) == 1 then
-      redis.call('XADD', wake, 'MAXLEN', '~', WAKE_MAXLEN, '*', F.log, log_key)
-    else
-      redis.call('SREM', tails_key, wake)
-    end
+    local added = redis.call('XADD', wake, 'NOMKSTREAM', 'MAXLEN', '~', WAKE_MAXLEN, '*',
+      F.log, log_key)
+    if not added then redis.call('SREM', tails_key, wake) end
   end
 end
 """
