@@ -141,7 +141,10 @@ def test_cancel(node: Any, clients_stack: ClientStack, api_key: str, proxy: Reco
     assert out["finishReason"] == "cancelled" and out["state"] == "cancelled"
     assert QUESTION.startswith(out["text"]) and out["text"] != QUESTION
     cancels = [r for r in out["requests"] if r["path"].endswith("/cancel")]
-    assert len(cancels) == 1 and cancels[0]["status"] in (200, 202)
+    # the proxy cuts each connection after a random 300-3,000 bytes, a cancel's response
+    # too: the client sends the (idempotent) cancel again then, and only then
+    assert cancels and cancels[-1]["status"] in (200, 202)
+    assert len(cancels) == 1 or proxy.cuts > 0
 
 
 def test_drop_resumes(node: Any, clients_stack: ClientStack, api_key: str) -> None:
