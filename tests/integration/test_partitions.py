@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio import Redis
@@ -31,16 +30,6 @@ PARTITIONS = 4
 @pytest.fixture
 def keys(key_prefix: str) -> Keys:
     return Keys(key_prefix, PARTITIONS)
-
-
-@pytest.fixture
-async def redis(redis_url: str, keys: Keys) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_url)
-    yield client
-    stale = [k async for k in client.scan_iter(match=f"{keys.prefix}:*", count=1000)]
-    if stale:
-        await client.delete(*stale)
-    await client.aclose()
 
 
 def one_per_partition(keys: Keys) -> list[str]:

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio import Redis
@@ -54,34 +53,6 @@ def delta(i: int) -> ev.Delta:
 
 def rid() -> str:
     return uuid.uuid4().hex
-
-
-@pytest.fixture
-def keys(key_prefix: str) -> Keys:
-    return Keys(key_prefix)
-
-
-@pytest.fixture
-async def redis(redis_url: str, keys: Keys) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_url)
-    yield client
-    stale = [k async for k in client.scan_iter(match=f"{keys.prefix}:*", count=1000)]
-    if stale:
-        await client.delete(*stale)
-    await client.aclose()
-
-
-@pytest.fixture
-def rlog(redis: Redis, keys: Keys) -> RedisLog:
-    return RedisLog(redis, keys)
-
-
-@pytest.fixture
-async def batcher(rlog: RedisLog) -> AsyncIterator[AppendBatcher]:
-    b = AppendBatcher(rlog)
-    b.start()
-    yield b
-    await b.close()
 
 
 async def new_request(rlog: RedisLog) -> tuple[str, Owner]:
@@ -346,23 +317,6 @@ async def test_batcher_survives_script_flush(
 
 
 # -- LogTailer --------------------------------------------------------------------------
-
-
-@pytest.fixture
-async def tail_client(redis_url: str) -> AsyncIterator[tuple[Redis, str]]:
-    name = f"tail-{uuid.uuid4().hex[:12]}"
-    # as service/app.py: the XREAD BLOCK outlives redis-py's default 5 s socket timeout
-    client = Redis.from_url(redis_url, client_name=name, socket_timeout=15)
-    yield client, name
-    await client.aclose()
-
-
-@pytest.fixture
-async def tailer(tail_client: tuple[Redis, str], keys: Keys) -> AsyncIterator[LogTailer]:
-    t = LogTailer(tail_client[0], keys, block_ms=10_000)
-    await t.start()  # no shard, no read yet: each test's first subscribe starts one
-    yield t
-    await t.stop()
 
 
 async def test_tailer_multiplexes_many_readers(

@@ -67,26 +67,6 @@ def job_for(request_id: str) -> Job:
     )
 
 
-@pytest.fixture
-def keys(key_prefix: str) -> Keys:
-    return Keys(key_prefix)
-
-
-@pytest.fixture
-async def redis(redis_url: str, key_prefix: str) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_url)
-    yield client
-    stale = [k async for k in client.scan_iter(match=f"{key_prefix}:*", count=1000)]
-    if stale:
-        await client.delete(*stale)
-    await client.aclose()
-
-
-@pytest.fixture
-def rlog(redis: Redis, keys: Keys) -> RedisLog:
-    return RedisLog(redis, keys)
-
-
 @contextlib.asynccontextmanager
 async def running(log: RedisLog, interval_s: float = 0.0) -> AsyncIterator[AppendBatcher]:
     batcher = AppendBatcher(log, interval_s=interval_s)
@@ -95,12 +75,6 @@ async def running(log: RedisLog, interval_s: float = 0.0) -> AsyncIterator[Appen
         yield batcher
     finally:
         await batcher.close()
-
-
-@pytest.fixture
-async def batcher(rlog: RedisLog) -> AsyncIterator[AppendBatcher]:
-    async with running(rlog) as b:
-        yield b
 
 
 async def new_request(log: RedisLog, request_id: str | None = None) -> tuple[str, Owner]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio import Redis
@@ -18,16 +17,6 @@ from service.stream.lifecycle import Requeue, State
 from service.stream.params import SamplingParams
 
 pytestmark = pytest.mark.timeout(30)
-
-
-@pytest.fixture
-async def redis(redis_url: str, key_prefix: str) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_url)
-    yield client
-    stale = [k async for k in client.scan_iter(match=f"{key_prefix}:*", count=1000)]
-    if stale:
-        await client.delete(*stale)
-    await client.aclose()
 
 
 async def submitted(log: RedisLog, queue: RequestQueue) -> str:

@@ -10,7 +10,6 @@ end.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -33,42 +32,6 @@ from tests.waiting import eventually
 pytestmark = pytest.mark.timeout(30)
 
 
-@pytest.fixture
-def keys(key_prefix: str) -> Keys:
-    return Keys(key_prefix)
-
-
-@pytest.fixture
-async def redis(redis_url: str, keys: Keys) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_url)
-    yield client
-    stale = [k async for k in client.scan_iter(match=f"{keys.prefix}:*", count=1000)]
-    if stale:
-        await client.delete(*stale)
-    await client.aclose()
-
-
-@pytest.fixture
-def rlog(redis: Redis, keys: Keys) -> RedisLog:
-    return RedisLog(redis, keys)
-
-
-@pytest.fixture
-async def batcher(rlog: RedisLog) -> AsyncIterator[AppendBatcher]:
-    b = AppendBatcher(rlog)
-    b.start()
-    yield b
-    await b.close()
-
-
-@pytest.fixture
-async def tail_client(redis_url: str, key_prefix: str) -> AsyncIterator[tuple[Redis, str]]:
-    name = f"tail-{key_prefix}"
-    client = Redis.from_url(redis_url, client_name=name, socket_timeout=15)
-    yield client, name
-    await client.aclose()
-
-
 class Reads:
     """The stream names of every XREAD the tailer's client sends (to real Redis)."""
 
@@ -89,35 +52,31 @@ async def test_a_read_names_only_the_logs_that_changed(
     keys: Keys,
     batcher: AppendBatcher,
     tail_client: tuple[Redis, str],
+    tailer: LogTailer,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(tail, "SWEEP_S", 3600.0)  # no sweep: notifications only
-    tailer = LogTailer(tail_client[0], keys, block_ms=10_000)
     reads = Reads(tailer._reader)
-    await tailer.start()
-    try:
-        requests = [await new_request(rlog) for _ in range(30)]
-        subs = [tailer.subscribe(r) for r, _ in requests]
-        firsts = [await collect(s, 1) for s in subs]
-        assert all(f[0][1] == created() for f in firsts)
-        await until_blocked(tailer, redis, tail_client[1])
-        before = len(reads.names)
-        changed = [requests[3], requests[17]]
-        for _, owner in changed:
-            await batcher.append(owner, [delta(1), delta(2)])
-        changed_ids = {r for r, _ in changed}
-        for (r, _), sub in zip(requests, subs, strict=True):
-            if r in changed_ids:
-                assert [e for _, e in await collect(sub, 2)] == [delta(1), delta(2)]
-        after = reads.names[before:]
-        wake = tailer._shards[0]._wake_key
-        logs = {keys.log(r) for r, _ in changed}
-        # blocked reads of the wake stream alone, and reads of the changed logs only
-        assert after and all(names == {wake} or names <= logs for names in after), after
-        assert set().union(*after) - {wake} == logs
-        assert all(s.queue.empty() for s in subs)
-    finally:
-        await tailer.stop()
+    requests = [await new_request(rlog) for _ in range(30)]
+    subs = [tailer.subscribe(r) for r, _ in requests]
+    firsts = [await collect(s, 1) for s in subs]
+    assert all(f[0][1] == created() for f in firsts)
+    await until_blocked(tailer, redis, tail_client[1])
+    before = len(reads.names)
+    changed = [requests[3], requests[17]]
+    for _, owner in changed:
+        await batcher.append(owner, [delta(1), delta(2)])
+    changed_ids = {r for r, _ in changed}
+    for (r, _), sub in zip(requests, subs, strict=True):
+        if r in changed_ids:
+            assert [e for _, e in await collect(sub, 2)] == [delta(1), delta(2)]
+    after = reads.names[before:]
+    wake = tailer._shards[0]._wake_key
+    logs = {keys.log(r) for r, _ in changed}
+    # blocked reads of the wake stream alone, and reads of the changed logs only
+    assert after and all(names == {wake} or names <= logs for names in after), after
+    assert set().union(*after) - {wake} == logs
+    assert all(s.queue.empty() for s in subs)
 
 
 async def test_a_lost_registration_is_made_up_by_the_sweep(
@@ -126,23 +85,19 @@ async def test_a_lost_registration_is_made_up_by_the_sweep(
     keys: Keys,
     batcher: AppendBatcher,
     tail_client: tuple[Redis, str],
+    tailer: LogTailer,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Redis lost the shard's registration (a restart, a failover): the append notifies
     nobody, and the reader still gets it, from the sweep that reads every followed log."""
     monkeypatch.setattr(tail, "SWEEP_S", 0.5)
-    tailer = LogTailer(tail_client[0], keys, block_ms=10_000)
-    await tailer.start()
-    try:
-        request_id, owner = await new_request(rlog)
-        sub = tailer.subscribe(request_id)
-        assert len(await collect(sub, 1)) == 1
-        await until_blocked(tailer, redis, tail_client[1])
-        assert await redis.delete(keys.tails(request_id)) == 1
-        await batcher.append(owner, [delta(1)])
-        assert [e for _, e in await collect(sub, 1)] == [delta(1)]
-    finally:
-        await tailer.stop()
+    request_id, owner = await new_request(rlog)
+    sub = tailer.subscribe(request_id)
+    assert len(await collect(sub, 1)) == 1
+    await until_blocked(tailer, redis, tail_client[1])
+    assert await redis.delete(keys.tails(request_id)) == 1
+    await batcher.append(owner, [delta(1)])
+    assert [e for _, e in await collect(sub, 1)] == [delta(1)]
 
 
 async def test_a_gone_wake_stream_is_forgotten(
@@ -164,49 +119,40 @@ async def test_registration_lives_with_the_request_and_goes_with_its_end(
     redis: Redis,
     keys: Keys,
     batcher: AppendBatcher,
-    tail_client: tuple[Redis, str],
+    tailer: LogTailer,
 ) -> None:
-    tailer = LogTailer(tail_client[0], keys, block_ms=10_000)
-    await tailer.start()
-    try:
-        request_id, owner = await new_request(rlog)
-        sub = tailer.subscribe(request_id)
-        assert len(await collect(sub, 1)) == 1
-        wake = tailer._shards[0]._wake_key
-        tails = keys.tails(request_id)
-        assert await redis.smembers(tails) == {wake.encode()}
-        assert 0 < await redis.ttl(tails) <= await redis.ttl(keys.meta(request_id))
-        await batcher.append(owner, [END], terminal_state="finished", ttl_s=60)
-        assert [e for _, e in await collect(sub, 1)] == [END]
-        assert not await redis.exists(tails)
-        sub.close()
-        # an ended log read again (a replay) is read once, and registers nothing
-        again = tailer.subscribe(request_id)
-        got = await collect(again, 2)
-        assert [e for _, e in got] == [created(), END]
-        assert not await redis.exists(tails)
-        again.close()
-    finally:
-        await tailer.stop()
+    request_id, owner = await new_request(rlog)
+    sub = tailer.subscribe(request_id)
+    assert len(await collect(sub, 1)) == 1
+    wake = tailer._shards[0]._wake_key
+    tails = keys.tails(request_id)
+    assert await redis.smembers(tails) == {wake.encode()}
+    assert 0 < await redis.ttl(tails) <= await redis.ttl(keys.meta(request_id))
+    await batcher.append(owner, [END], terminal_state="finished", ttl_s=60)
+    assert [e for _, e in await collect(sub, 1)] == [END]
+    assert not await redis.exists(tails)
+    sub.close()
+    # an ended log read again (a replay) is read once, and registers nothing
+    again = tailer.subscribe(request_id)
+    got = await collect(again, 2)
+    assert [e for _, e in got] == [created(), END]
+    assert not await redis.exists(tails)
+    again.close()
+    await tailer.stop()
     assert not await redis.exists(wake)  # a stopping shard removes its wake stream
 
 
 async def test_a_departed_reader_leaves_the_tails_set(
-    rlog: RedisLog, redis: Redis, keys: Keys, tail_client: tuple[Redis, str]
+    rlog: RedisLog, redis: Redis, keys: Keys, tailer: LogTailer
 ) -> None:
-    tailer = LogTailer(tail_client[0], keys, block_ms=10_000)
-    await tailer.start()
-    try:
-        request_id, _ = await new_request(rlog)
-        sub = tailer.subscribe(request_id)
-        assert len(await collect(sub, 1)) == 1
-        tails = keys.tails(request_id)
-        assert await redis.scard(tails) == 1
-        sub.close()  # the client went away mid-answer
+    request_id, _ = await new_request(rlog)
+    sub = tailer.subscribe(request_id)
+    assert len(await collect(sub, 1)) == 1
+    tails = keys.tails(request_id)
+    assert await redis.scard(tails) == 1
+    sub.close()  # the client went away mid-answer
 
-        async def left() -> bool:
-            return await redis.scard(tails) == 0
+    async def left() -> bool:
+        return await redis.scard(tails) == 0
 
-        await eventually(left, "the shard to leave the tails set", timeout=5)
-    finally:
-        await tailer.stop()
+    await eventually(left, "the shard to leave the tails set", timeout=5)

@@ -1,0 +1,61 @@
+"""Fixtures the integration tests share: a real Redis client whose keys (the test's own
+random ``key_prefix``) are deleted after the test, the log and batcher over it, and a
+tail client and tailer. A module overrides ``keys`` where it needs partitions."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from service.store.keys import Keys
+from service.store.log import AppendBatcher, RedisLog
+from service.store.tail import LogTailer
+
+
+@pytest.fixture
+def keys(key_prefix: str) -> Keys:
+    return Keys(key_prefix)
+
+
+@pytest.fixture
+async def redis(redis_url: str, key_prefix: str) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_url)
+    yield client
+    stale = [k async for k in client.scan_iter(match=f"{key_prefix}:*", count=1000)]
+    if stale:
+        await client.delete(*stale)
+    await client.aclose()
+
+
+@pytest.fixture
+def rlog(redis: Redis, keys: Keys) -> RedisLog:
+    return RedisLog(redis, keys)
+
+
+@pytest.fixture
+async def batcher(rlog: RedisLog) -> AsyncIterator[AppendBatcher]:
+    b = AppendBatcher(rlog)
+    b.start()
+    yield b
+    await b.close()
+
+
+@pytest.fixture
+async def tail_client(redis_url: str) -> AsyncIterator[tuple[Redis, str]]:
+    """A client for a tailer, named (tests find its blocked reads by the name)."""
+    name = f"tail-{uuid.uuid4().hex[:12]}"
+    # as service/app.py: the XREAD BLOCK outlives redis-py's default 5 s socket timeout
+    client = Redis.from_url(redis_url, client_name=name, socket_timeout=15)
+    yield client, name
+    await client.aclose()
+
+
+@pytest.fixture
+async def tailer(tail_client: tuple[Redis, str], keys: Keys) -> AsyncIterator[LogTailer]:
+    t = LogTailer(tail_client[0], keys, block_ms=10_000)
+    await t.start()  # no shard, no read yet: each test's first subscribe starts one
+    yield t
+    await t.stop()
