@@ -315,8 +315,7 @@ class _Shard:
         self._wake_pending = False  # a send (registrations, a wake) is to go out
         self.subs: dict[str, set[Subscription]] = {}
         self._positions: dict[str, bytes] = {}  # log key -> id to read after (its slowest reader)
-        self._tails: dict[str, str] = {}  # log key -> its tails set
-        self._rids: dict[str, str] = {}  # log key -> its request id
+        self._rids: dict[str, str] = {}  # log key -> its request id (the logs registered)
         self._dirty: set[str] = set()  # logs to read: notified, or followed further back
         self._register: set[str] = set()  # logs to register this shard's wake stream in
         self._unregister: dict[str, str] = {}  # log key -> tails set to leave
@@ -332,8 +331,8 @@ class _Shard:
         await asyncio.gather(self._task, return_exceptions=True)
         with contextlib.suppress(*STORE_ERRORS):
             pipe = self._redis.pipeline(transaction=False)
-            for tails in self._tails.values():
-                pipe.srem(tails, self._wake_key)
+            for rid in self._rids.values():
+                pipe.srem(self._keys.tails(rid), self._wake_key)
             pipe.delete(self._wake_key)
             await pipe.execute()
 
@@ -341,10 +340,9 @@ class _Shard:
         subs = self.subs.setdefault(key, set())
         subs.add(sub)
         self._reposition(key)
-        if key in self._tails:  # followed already: read it again from the new position
+        if key in self._rids:  # followed already: read it again from the new position
             self._dirty.add(key)
         else:
-            self._tails[key] = self._keys.tails(sub.request_id)
             self._rids[key] = sub.request_id
             self._unregister.pop(key, None)
             self._register.add(key)
@@ -360,14 +358,13 @@ class _Shard:
         self._reposition(key)
         if key in self.subs:
             return True
-        tails = self._tails.pop(key, None)
-        self._rids.pop(key, None)
+        rid = self._rids.pop(key, None)
         self._register.discard(key)
         self._dirty.discard(key)
         if key in self._ended:  # the end's script dropped the tails set: nothing to leave
             self._ended.discard(key)
-        elif tails is not None:
-            self._unregister[key] = tails
+        elif rid is not None:
+            self._unregister[key] = self._keys.tails(rid)
             self._send_soon()
         return False
 
@@ -393,14 +390,13 @@ class _Shard:
         keys = [self._wake_key]
         for key in register:
             rid = self._rids[key]
-            keys += [self._keys.meta(rid), self._tails[key], key]
+            keys += [self._keys.meta(rid), self._keys.tails(rid), key]
         keys += leave.values()
         try:
             await self._follow(keys=keys, args=[len(register)])
         except STORE_ERRORS as exc:  # the loop's own error handling registers all again
             log.warning("tail registration failed: %s", exc)
             self._reregister = True
-            self._register |= {key for key in register if key in self._tails}
 
     async def _run(self) -> None:
         backoff = 0.05
@@ -408,7 +404,7 @@ class _Shard:
             try:
                 if self._reregister:
                     self._reregister = False
-                    self._register |= set(self._tails)
+                    self._register |= set(self._rids)
                     self._dirty |= set(self._positions)
                     await self._send()
                 if time.monotonic() - self._swept >= SWEEP_S:
