@@ -199,28 +199,27 @@ class RedisLog:
         the calls go out together), each gets its entry ids, or ``Fenced`` /
         ``AlreadyEnded`` / ``LogGap`` (that one is not written). Connection errors raise
         for all; the same items sent again are not written twice where they carry
-        ``expect``. The admission slots of the requests that end are freed meanwhile."""
+        ``expect``. The admission slots of the requests that end are freed first."""
         by_partition: dict[int, list[int]] = {}
         for i, item in enumerate(items):
             by_partition.setdefault(self.keys.partition(item.request_id), []).append(i)
-        calls = [
-            self._append_partition(p, [items[i] for i in at]) for p, at in by_partition.items()
-        ]
-        # The ending requests' admission slots are freed in the same round trip, not after
-        # it: a client that saw its answer end may send the next one at once (whatever the
-        # append answers: an end that was refused is already ended, or will be; only a
-        # fenced-out owner's end frees a slot early).
+        # The ending requests' admission slots are freed before their ends are written: a
+        # client that saw its answer end may send the next one at once. (Sent beside the
+        # script calls, the ZREM -- another slot, on a cluster another node -- could still
+        # be on its way when that next request was admitted: the cluster tier's per-key
+        # concurrency test saw a 429 so.) Whatever the append then answers: an end that is
+        # refused is already ended, or will be; only a fenced-out owner's end, or a worker
+        # that dies right here, frees a slot early.
         ended = [
             (item.inflight_key, item.request_id)
             for item in items
             if item.terminal_state and item.inflight_key
         ]
-        freeing = asyncio.ensure_future(free_slots(self.redis, ended)) if ended else None
-        try:
-            replies_ = await asyncio.gather(*calls)
-        finally:
-            if freeing is not None:
-                await freeing
+        if ended:
+            await free_slots(self.redis, ended)
+        replies_ = await asyncio.gather(
+            *(self._append_partition(p, [items[i] for i in at]) for p, at in by_partition.items())
+        )
         out: list[list[EventId] | LogError] = [LogError("unsent")] * len(items)
         for at, results in zip(by_partition.values(), replies_, strict=True):
             for i, result in zip(at, results, strict=True):
