@@ -120,7 +120,7 @@ class ResponsesController(Controller):
         "",
         status_code=200,
         summary="Create a response (OpenAI's Responses API)",
-        responses=error_responses(400, 401, 403, 413, 429, 503),
+        responses=error_responses(400, 401, 403, 404, 413, 429, 503),
     )
     async def create(
         self,
