@@ -1,12 +1,25 @@
-"""The worker's decisions, as plain functions: what a presence verdict asks for, and how
-many of a request's tokens were wasted. The runner acts on them (vLLM's habit: the
-core returns decisions, the caller aborts)."""
+"""The worker's decisions, without I/O: what a presence verdict asks for, and -- one
+engine step at a time -- what a choice's generation does next.
+
+The generation loop (``generate.py``) feeds every engine output, with the request's
+control signals, into ``ChoiceRun.step`` and applies the ``Action`` that comes back:
+append these deltas, abort the engine, the choice is over (how: ``endings.py``). This
+is vLLM's habit (its output processor returns ``reqs_to_abort``; its caller aborts),
+and it is why the real per-step decision is unit-tested without an engine
+(``tests/unit/test_decide.py``).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 
-from service.stream.lifecycle import VERDICT_STATE, State, Verdict
+from service.stream import endings
+from service.stream.assemble import Assembler, StepResult
+from service.stream.endings import ChoiceEnd, Failure, HandOver, Stopped
+from service.stream.events import Event
+from service.stream.lifecycle import VERDICT_STATE, EngineFinish, State, Verdict
+from workers.engines.base import StepOutput
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -32,13 +45,106 @@ def plan(verdict: int) -> Abort | RecheckIn | None:
     return None
 
 
-def wasted_tokens(completion: int, covered: int | None, delivered: int | None) -> int:
-    """Tokens generated that no reader got.
+@dataclasses.dataclass(slots=True)
+class Signals:
+    """A running request's control signals: set by the runner (which aborts the engine
+    at once), read by each of its choices at every step."""
 
-    ``covered``: tokens made before an abort decision (``None``: no abort, all count);
-    ``delivered``: the most tokens any reader's connection was sent, when no reader is
-    left at the end (``None``: a reader is still there and gets the rest)."""
-    kept = completion if covered is None else covered
-    if delivered is not None:
-        kept = min(kept, delivered)
-    return max(0, completion - kept)
+    decided: State | None = None  # cancelled / abandoned
+    handing_over: bool = False  # the worker is stopping: another worker continues it
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Action:
+    """What to do after a step: append ``append`` (deltas), then abort the engine request
+    if ``abort``; ``stop``: the choice is over, and how (None: go on)."""
+
+    append: list[Event] = dataclasses.field(default_factory=list)
+    abort: bool = False
+    stop: Stopped | None = None
+
+
+class ChoiceRun:
+    """One choice's generation, decided step by step. ``stop_ids``: the ids that end the
+    choice (EOS unless ``ignore_eos``, and the request's stop ids)."""
+
+    def __init__(
+        self, asm: Assembler, index: int, *, stop_ids: Collection[int], ignore_eos: bool
+    ) -> None:
+        self.asm = asm
+        self.index = index
+        self._stop_ids = stop_ids
+        self._ignore_eos = ignore_eos
+        self._covered: int | None = None  # tokens made before an abort decision
+        self._after = 0  # tokens the engine made after it (counted, never shown)
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.asm.completion_tokens + self._after
+
+    def resumed(self, now: StepResult) -> Action:
+        """A choice continued from its log (``Assembler.resume``'s result): what the log's
+        ids release at once; over already if they end the choice (the previous worker
+        logged its last token, not its end)."""
+        made = self.asm.token_ids
+        last_is_stop = bool(made) and made[-1] in self._stop_ids and not self._ignore_eos
+        if now.stopped or last_is_stop:
+            return Action(now.events, stop=self._finished(EngineFinish.STOP))
+        return Action(now.events)
+
+    def step(self, out: StepOutput, signals: Signals) -> Action:
+        if signals.handing_over and signals.decided is None:
+            return Action(stop=HandOver())
+        if signals.decided is not None:  # decided: count what the engine still makes
+            if self._covered is None:
+                self._covered = self.asm.completion_tokens
+            self._after += len(out.token_ids)
+            return Action(stop=self._aborted(signals.decided) if out.finished else None)
+        step = self.asm.step(out.token_ids, out.logprobs)
+        if step.stopped:  # a stop string completed: free the engine now
+            return Action(step.events, abort=True, stop=self._finished(None))
+        if not out.finished:
+            return Action(step.events)
+        if out.finish_reason == EngineFinish.ABORT:  # the engine aborted on its own
+            return Action(step.events, stop=self.failed(endings.ENGINE_ABORTED).stop)
+        return Action(step.events, stop=self._finished(out.finish_reason))
+
+    def exhausted(self, signals: Signals) -> Action:
+        """The engine's outputs ended without a finished one."""
+        if signals.decided is not None:
+            return Action(stop=self._aborted(signals.decided))
+        if signals.handing_over:
+            return Action(stop=HandOver())
+        return Action(stop=self._finished(None))
+
+    def failed(self, failure: Failure, *, abort: bool = False) -> Action:
+        """The engine failed, or the deadline passed (``abort``: the engine still runs it)."""
+        end = endings.failed_choice(self.index, failure, self.completion_tokens)
+        return Action(abort=abort, stop=end)
+
+    def fenced(self) -> Action:
+        """Another worker took the request over: stop, end nothing."""
+        return Action(abort=True, stop=endings.FENCED_OUT)
+
+    def _finished(self, engine: EngineFinish | None) -> ChoiceEnd:
+        tail = self.asm.flush()
+        return endings.finished(
+            self.index,
+            engine,
+            stopped=self.asm.stopped,
+            calls=self.asm.has_calls,
+            completion_tokens=self.completion_tokens,
+            tail=tail,
+            covered_tokens=self._covered,
+        )
+
+    def _aborted(self, decided: State) -> ChoiceEnd:
+        covered = self.asm.completion_tokens if self._covered is None else self._covered
+        return endings.aborted(
+            self.index,
+            decided,
+            stopped=self.asm.stopped,
+            calls=self.asm.has_calls,
+            completion_tokens=self.completion_tokens,
+            covered=covered,
+        )

@@ -125,15 +125,19 @@ def serve_metrics(port: int, host: str) -> None:
 
 
 class FirstToken:
-    """A request's time to first token, observed once, at the first token of whichever of
-    its choices makes one. ``since``: the claim (unix s); None: not observed."""
+    """A request's first token, at the first token of whichever of its choices makes one:
+    ``at`` (unix s, for its billing row), and its time to first token, observed once.
+    ``since``: the claim (unix s); None: not observed (a continued request)."""
 
-    __slots__ = ("since",)
+    __slots__ = ("at", "since")
 
     def __init__(self, since: float | None) -> None:
         self.since = since
+        self.at: float | None = None
 
     def seen(self, at: float) -> None:
+        if self.at is None:
+            self.at = at
         if self.since is not None:
             TIME_TO_FIRST_TOKEN.observe(max(0.0, at - self.since))
             self.since = None

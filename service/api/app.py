@@ -40,7 +40,7 @@ from service.settings import Settings
 from service.store.control import Control
 from service.store.keys import Keys
 from service.store.limits import Limits
-from service.store.log import RedisLog
+from service.store.log import RedisLog, Retention
 from service.store.pool import UNREACHABLE, connect, warm
 from service.store.presence import Presence
 from service.store.queue import Heartbeats, RequestQueue
@@ -191,7 +191,6 @@ async def serving(settings: Settings, model: ModelInfo, drain: Drain) -> AsyncIt
         sweeper_id=f"sweeper-{uuid.uuid4().hex[:8]}",
         stale_s=settings.worker_stale_s,
         interval_s=settings.sweep_interval_s,
-        hot_log_ttl_s=settings.hot_log_ttl_s,
         max_takeovers=settings.max_takeovers,
         takeover_wait_s=settings.takeover_wait_s,
         request_deadline_s=settings.request_deadline_s,
@@ -230,11 +229,12 @@ def _context(
         keepalive_s=settings.keepalive_s,
         writer=redis,
     )
-    control = Control(redis, keys)
+    retention = Retention.of(settings)
+    control = Control(redis, keys, retention)
     return Context(
         settings=settings,
         redis=redis,
-        log=RedisLog(redis, keys),
+        log=RedisLog(redis, keys, retention),
         tailer=tailer,
         model=model,
         ledger=ledger,

@@ -58,6 +58,11 @@ class Context:
     idempotency: IdempotencyKeys
     _tokens: StreamTokens | None = None
 
+    @property
+    def context_length(self) -> int:
+        """The longest prompt + answer a request may ask for."""
+        return min(self.model.max_model_len, self.settings.max_model_len)
+
     async def stream_tokens(self) -> StreamTokens:
         """The stream-token signer (its secret from the settings, or shared via Redis and
         read once, when first needed: the API starts while Redis is away)."""

@@ -1,6 +1,6 @@
-"""The OpenAI request contract beyond sampling: what a chat or completion body asks of
-the output (tool calls, structured output, logprobs, choices), checked and resolved
-before the request exists.
+"""The OpenAI request contract beyond the schema: stop strings and the token budget, and
+what a chat or completion body asks of the output (tool calls, structured output,
+logprobs), checked and resolved before the request exists. ``intake.py`` calls these.
 
 Everything here is a 400 that names the field when it cannot be honoured: a field
 the schema does not declare (the schemas forbid them), an OpenAI field no engine here
@@ -11,6 +11,7 @@ serves (``REFUSED_FIELDS``), or a known field the configured engine cannot honou
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -29,6 +30,8 @@ from service.stream.tools import ToolFormat, detect_format, forced_schema, tool_
 from service.tokenize import ModelInfo
 
 TOOL_PARSERS = ("hermes", "llama3_json")
+MAX_STOP_STRINGS = 4
+MAX_STOP_LEN = 64
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -46,6 +49,55 @@ def check_refused(body: ChatCompletionRequest | CompletionRequest) -> None:
         raise InvalidRequest(
             f"'{name}' is not supported by this server", param=name, code="unsupported_parameter"
         )
+
+
+def check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidRequest(
+            f"'stop' has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed",
+            param="stop",
+            code="invalid_stop",
+        )
+    for s in stops:
+        if not s:
+            raise InvalidRequest("'stop' strings must not be empty", param="stop")
+        if len(s) > MAX_STOP_LEN:
+            raise InvalidRequest(
+                f"'stop' string of {len(s)} characters; at most {MAX_STOP_LEN} are allowed",
+                param="stop",
+                code="invalid_stop",
+            )
+    return tuple(stops)
+
+
+def check_max_tokens(
+    requested: int | None,
+    prompt_tokens: int,
+    default: int,
+    ctx_len: int,
+    *,
+    param: str = "max_tokens",
+    prompt_param: str = "messages",
+) -> int:
+    """``param``/``prompt_param``: the fields the client sent, named in the 400."""
+    room = ctx_len - prompt_tokens
+    if room <= 0:
+        raise InvalidRequest(
+            f"the prompt has {prompt_tokens} tokens; the model's context length is {ctx_len}",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if requested is None:
+        return min(room, default)
+    if requested > room:
+        raise InvalidRequest(
+            f"{param} is {requested} but the prompt has {prompt_tokens} tokens and the "
+            f"model's context length is {ctx_len} (at most {room} tokens can be generated)",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return requested
 
 
 def check_engine(engine: str, params: SamplingParams) -> None:

@@ -1,25 +1,29 @@
 """Readers: a request's log read back as SSE bytes, or collected into one JSON answer.
 
 A reader holds a presence lease while it is connected, follows the log through the
-process's ``LogTailer`` and renders each event with the pure ``ChunkRenderer``.
+process's ``LogTailer`` and renders each event with a pure renderer: chat and text
+completion chunks (``ChunkRenderer``) or Responses events (``ResponsesRenderer``).
+Every stream runs the same loop (``_stream``): a ``: ping`` while nothing comes (a long
+prefill), "reconnect" when the process drains, an error in band when Redis lost the log.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
 
 import msgspec
+from litestar import Request
 
 from service.api.context import Context
 from service.api.metrics import READERS
-from service.api.responses import kept
+from service.api.response_input import kept
 from service.store.presence import Lease
 from service.store.tail import IDLE, Batch, Interrupted, LogLost, Subscription
-from service.stream import sse
+from service.stream import endings, sse
 from service.stream.events import Created, Delta, End, Error, Event
 from service.stream.ids import Cursor, EventId
-from service.stream.lifecycle import State
 from service.stream.render import (
     ChunkRenderer,
     ResponseAggregate,
@@ -27,7 +31,7 @@ from service.stream.render import (
     error_object,
     sse_event_frames,
 )
-from service.stream.responses import Frame, ResponsesRenderer
+from service.stream.response_events import Frame, ResponsesRenderer
 
 
 def _before(cursor: Cursor | None) -> EventId | None:
@@ -40,59 +44,89 @@ def _before(cursor: Cursor | None) -> EventId | None:
     return EventId(e.ms, e.seq - 1) if e.seq > 0 else EventId(e.ms - 1, 2**64 - 1)
 
 
-async def sse_frames(
-    ctx: Context,
-    rid: str,
-    created: Created,
-    cursor: Cursor | None = None,
-    lease: Lease | None = None,
-) -> AsyncIterator[bytes]:
-    """The request's log as SSE bytes, from ``cursor`` on, until its terminal event.
+class _Chunks:
+    """Chat / text completion chunks from ``cursor`` on; a reader that fell behind gets
+    runs of deltas merged."""
 
-    The reader holds a presence lease for as long as it is connected."""
-    renderer = ChunkRenderer(rid, created)
-    # subscribe first: the tailer starts reading while the lease is written
-    sub = ctx.tailer.subscribe(rid, _before(cursor), interruptible=True)
-    if lease is None:  # a (re)connecting reader: read what the log holds meanwhile, rather
-        # than wait for the tailer's wake and next read (the resume latency a client feels)
-        reading = asyncio.ensure_future(ctx.log.read(rid, _before(cursor)))
-        try:
-            lease = await ctx.presence.acquire(rid)
-        except BaseException:
-            reading.cancel()
-            sub.close()
-            raise
-        try:
-            sub.offer(await reading)
-        except BaseException:
-            sub.close()
-            await lease.release()
-            raise
+    coalesces = True
+
+    def __init__(self, rid: str, created: Created, cursor: Cursor | None) -> None:
+        self._renderer = ChunkRenderer(rid, created)
+        self._cursor = cursor
+        self.reached: dict[int, int] = {}  # per choice: the completion tokens sent
+
+    def frames(self, batch: Batch) -> tuple[bytes, bool]:
+        out: list[bytes] = []
+        for eid, event in batch:
+            if isinstance(event, Delta):
+                self.reached[event.index] = max(self.reached.get(event.index, 0), event.n)
+            out.extend(sse_event_frames(self._renderer, eid, event, self._cursor))
+            if isinstance(event, End):
+                return b"".join(out), True
+        return b"".join(out), False
+
+    def lost(self) -> bytes:  # an error in band (no end: the log is gone)
+        return sse.frame(msgspec.json.encode(error_object(LOG_LOST)))
+
+
+class _ResponseEvents:
+    """Responses events after sequence number ``after``. The renderer counts events from
+    the log's start, so the log is read from its first entry and never coalesced
+    (merged deltas would renumber what follows)."""
+
+    coalesces = False
+
+    def __init__(self, rid: str, created: Created, after: int | None) -> None:
+        self._renderer = response_renderer(rid, created)
+        self._after = after
+        self.reached: dict[int, int] = {}
+
+    def frames(self, batch: Batch) -> tuple[bytes, bool]:
+        out: list[Frame] = []
+        for _eid, event in batch:
+            if isinstance(event, Delta):
+                self.reached[event.index] = max(self.reached.get(event.index, 0), event.n)
+            fresh = self._renderer.feed(event)
+            out += [f for f in fresh if self._after is None or f.sequence_number > self._after]
+            if isinstance(event, End):
+                return response_sse(out), True
+        return response_sse(out), False
+
+    def lost(self) -> bytes:  # the response fails in band
+        return self.frames([(EventId(0, 0), e) for e in endings.lost_in_band()])[0]
+
+
+async def _stream(
+    ctx: Context, sub: Subscription, lease: Lease, render: _Chunks | _ResponseEvents
+) -> AsyncIterator[bytes]:
+    """Every stream's loop: ``render``'s frames of what the tail brings, until the end;
+    a ``: ping`` when nothing came for ``keepalive_s``; "reconnect" when the process
+    drains; the lease held meanwhile, with what it delivered."""
     lease.adopted = True
     READERS.inc()
-    sent: dict[int, int] = {}  # per choice: the completion tokens its deltas reached
+    hint = ctx.settings.reconnect_hint_ms
     try:
-        yield sse.retry_line(ctx.settings.reconnect_hint_ms)  # how soon to come back
+        yield sse.retry_line(hint)  # how soon to come back
         while True:
             batch = await sub.queue.get()  # no timer per wait: the tailer's ticker sends IDLE
             if batch is IDLE:
                 yield sse.KEEPALIVE
                 continue
             if isinstance(batch, Interrupted):  # shutting down: reconnect elsewhere
-                yield sse.retry(ctx.settings.reconnect_hint_ms)
+                yield sse.retry(hint)
                 return
             if isinstance(batch, LogLost):  # an error in band, never pings for ever
-                yield sse.frame(msgspec.json.encode(error_object(LOG_LOST)))
+                yield render.lost()
                 return
             if isinstance(batch, BaseException):
                 raise batch
-            if sub.queue.qsize() >= ctx.settings.coalesce_backlog:
+            if render.coalesces and sub.queue.qsize() >= ctx.settings.coalesce_backlog:
                 batch = _catch_up(sub, batch)
-            out, reached, ended = _frames(renderer, batch, cursor, sent)
+            out, ended = render.frames(batch)
             if out:
                 yield out
-            sent = reached  # the send completed: it reached the connection
-            lease.delivered = max(lease.delivered, sum(sent.values()))
+            # the send completed: it reached the connection
+            lease.delivered = max(lease.delivered, sum(render.reached.values()))
             if ended:
                 lease.ended = True
                 return
@@ -100,6 +134,65 @@ async def sse_frames(
         sub.close()
         READERS.dec()
         await lease.release()
+
+
+async def _leased(ctx: Context, rid: str, sub: Subscription, lease: Lease | None) -> Lease:
+    """The reader's lease: the one its POST took, or a new one (a reconnecting reader)."""
+    if lease is not None:
+        return lease
+    try:
+        return await ctx.presence.acquire(rid)
+    except BaseException:
+        sub.close()
+        raise
+
+
+async def sse_frames(
+    ctx: Context,
+    rid: str,
+    created: Created,
+    cursor: Cursor | None = None,
+    lease: Lease | None = None,
+) -> AsyncIterator[bytes]:
+    """The request's log as SSE chunks, from ``cursor`` on, until its terminal event; the
+    reader holds a presence lease while it is connected (``lease``: its POST's)."""
+    # subscribe first: the tailer starts reading while the lease is written
+    sub = ctx.tailer.subscribe(rid, _before(cursor), keepalive=True, interruptible=True)
+    if lease is None:  # a (re)connecting reader: read what the log holds meanwhile, rather
+        # than wait for the tailer's wake and next read (the resume latency a client feels)
+        reading = asyncio.ensure_future(ctx.log.read(rid, _before(cursor)))
+        try:
+            lease = await _leased(ctx, rid, sub, None)
+        except BaseException:
+            reading.cancel()
+            raise
+        try:
+            sub.offer(await reading)
+        except BaseException:
+            sub.close()
+            await lease.release()
+            raise
+    async for out in _stream(ctx, sub, lease, _Chunks(rid, created, cursor)):
+        yield out
+
+
+async def response_frames(
+    ctx: Context,
+    rid: str,
+    created: Created,
+    after: int | None = None,
+    lease: Lease | None = None,
+    logged: Batch | None = None,
+) -> AsyncIterator[bytes]:
+    """The response's events after sequence number ``after``, until its end; ``logged``:
+    its log as the caller just read it (from the first entry), so that the tail goes on
+    from there instead of reading it again."""
+    sub = ctx.tailer.subscribe(rid, None, keepalive=True, interruptible=True)
+    if logged:
+        sub.offer(logged)
+    lease = await _leased(ctx, rid, sub, lease)
+    async for out in _stream(ctx, sub, lease, _ResponseEvents(rid, created, after)):
+        yield out
 
 
 def nothing_after(
@@ -128,26 +221,7 @@ def _catch_up(sub: Subscription, batch: Batch) -> Batch:
     return coalesce(batch)
 
 
-def _frames(
-    renderer: ChunkRenderer, batch: Batch, cursor: Cursor | None, sent: dict[int, int]
-) -> tuple[bytes, dict[int, int], bool]:
-    """The batch's SSE bytes, the completion tokens (per choice) they bring the reader
-    to, and whether the terminal event is among them (nothing after it is sent)."""
-    out: list[bytes] = []
-    reached = dict(sent)
-    for eid, event in batch:
-        if isinstance(event, Delta):
-            reached[event.index] = max(reached.get(event.index, 0), event.n)
-        out.extend(sse_event_frames(renderer, eid, event, cursor))
-        if isinstance(event, End):
-            return b"".join(out), reached, True
-    return b"".join(out), reached, False
-
-
-LOG_LOST = Error(
-    code="log_lost",
-    message="the request's log was lost (Redis restarted without its data); send it again",
-)
+LOG_LOST = Error(endings.LOG_LOST.code, endings.LOG_LOST.message)
 
 
 async def _until_lost(sub: Subscription) -> AsyncIterator[Batch]:
@@ -156,7 +230,7 @@ async def _until_lost(sub: Subscription) -> AsyncIterator[Batch]:
         async for batch in sub.batches():
             yield batch
     except LogLost:
-        yield [(EventId(0, 0), LOG_LOST), (EventId(0, 0), End(str(State.ERRORED), None, 0, 0))]
+        yield [(EventId(0, 0), e) for e in endings.lost_in_band()]
 
 
 async def collect(ctx: Context, rid: str, created: Created, lease: Lease) -> ResponseAggregate:
@@ -211,55 +285,6 @@ def response_sse(frames: list[Frame]) -> bytes:
     return b"".join(sse.frame(f.json(), str(f.sequence_number), f.type) for f in frames)
 
 
-async def response_frames(
-    ctx: Context,
-    rid: str,
-    created: Created,
-    after: int | None = None,
-    lease: Lease | None = None,
-    logged: Batch | None = None,
-) -> AsyncIterator[bytes]:
-    """The request's Responses events after sequence number ``after``, until its end;
-    ``logged``: its log as the caller just read it (from the first entry), so that the
-    tail goes on from there instead of reading it again.
-
-    The renderer counts the events from the log's start, so the log is always read from
-    its first entry, and never coalesced (merged deltas would renumber what follows)."""
-    renderer = response_renderer(rid, created)
-    sub = ctx.tailer.subscribe(rid, None)
-    if logged:
-        sub.offer(logged)
-    if lease is None:
-        try:
-            lease = await ctx.presence.acquire(rid)
-        except BaseException:
-            sub.close()
-            raise
-    lease.adopted = True
-    READERS.inc()
-    try:
-        yield sse.retry_line(ctx.settings.reconnect_hint_ms)
-        async for batch in _until_lost(sub):
-            out: list[Frame] = []
-            ended = False
-            for _eid, event in batch:
-                out += [
-                    f for f in renderer.feed(event) if after is None or f.sequence_number > after
-                ]
-                if isinstance(event, End):
-                    ended = True
-                    break
-            if out:
-                yield response_sse(out)
-            if ended:
-                lease.ended = True
-                return
-    finally:
-        sub.close()
-        READERS.dec()
-        await lease.release()
-
-
 async def response_collect(
     ctx: Context, rid: str, created: Created, lease: Lease
 ) -> ResponsesRenderer:
@@ -267,3 +292,29 @@ async def response_collect(
     renderer = response_renderer(rid, created)
     await _until_end(ctx, rid, lease, renderer.feed)
     return renderer
+
+
+T = TypeVar("T")
+
+
+async def until_disconnect(
+    request: Request[Any, Any, Any], work: Coroutine[Any, Any, T]
+) -> T | None:
+    """Run ``work`` unless the client disconnects first (then cancel it, return None)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    return task.result() if not task.cancelled() else None

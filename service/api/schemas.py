@@ -1,11 +1,18 @@
-"""Public request schemas (OpenAI's field names), decoded and validated by msgspec.
+"""Public request schemas (OpenAI's field names), decoded and validated by msgspec:
+chat completions, text completions and the Responses API.
 
-The sampling fields come from ``service/stream/params.py`` (``RequestSampling``): the
-struct that travels, unchanged, to the engine.
+Every request object is strict: a field it does not declare is a 400 naming it. An
+OpenAI field that no engine here can honour is declared ``Refused``: accepted as null,
+a 400 naming it otherwise (``refused_field``), never silently dropped. The sampling
+fields come from ``service/stream/params.py`` (``RequestSampling``): the struct that
+travels, unchanged, to the engine. ``intake.py`` is where a request is checked beyond
+its schema.
 """
 
 from __future__ import annotations
 
+import functools
+import typing
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -18,6 +25,14 @@ MAX_CHOICES = 8  # n: choices of one request
 
 class _Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     """A request object: a field it does not declare is a 400 naming it."""
+
+
+class _RefusedMarker:
+    """``Refused``'s mark (see ``refused_field``)."""
+
+
+# an OpenAI field no engine here can honour: accepted only as null
+Refused = Annotated[Any, _RefusedMarker]
 
 
 class StreamOptions(_Strict, kw_only=True):
@@ -87,24 +102,6 @@ class ResponseFormat(_Strict, kw_only=True):
     json_schema: JsonSchemaFormat | None = None
 
 
-# OpenAI fields that no engine here can honour: accepted as null, a 400 naming them
-# otherwise (never silently dropped)
-REFUSED_FIELDS = (
-    "audio",
-    "function_call",
-    "functions",
-    "modalities",
-    "prediction",
-    "reasoning_effort",
-    "service_tier",
-    "web_search_options",
-    "metadata",
-    "best_of",
-    "echo",
-    "suffix",
-)
-
-
 class _Sampling(RequestSampling, kw_only=True, forbid_unknown_fields=True):
     model: str
     stream: bool = False
@@ -116,7 +113,7 @@ class _Sampling(RequestSampling, kw_only=True, forbid_unknown_fields=True):
     # OpenAI's: every answer is kept in the log whatever ``store`` says (resume and replay
     # are made of it); ``metadata`` is not kept anywhere, so it is refused
     store: bool | None = None
-    metadata: Any = None
+    metadata: Refused = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -128,31 +125,85 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
-    audio: Any = None
-    function_call: Any = None
-    functions: Any = None
-    modalities: Any = None
-    prediction: Any = None
-    reasoning_effort: Any = None
-    service_tier: Any = None
-    web_search_options: Any = None
+    audio: Refused = None
+    function_call: Refused = None
+    functions: Refused = None
+    modalities: Refused = None
+    prediction: Refused = None
+    reasoning_effort: Refused = None
+    service_tier: Refused = None
+    web_search_options: Refused = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[str | int]
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
-    best_of: Any = None
-    echo: Any = None
-    suffix: Any = None
-    service_tier: Any = None
+    best_of: Refused = None
+    echo: Refused = None
+    suffix: Refused = None
+    service_tier: Refused = None
+
+
+# /v1/responses (OpenAI's Responses API; ``response_input.py`` turns it into a chat request)
+
+
+class FunctionTool(_Strict, kw_only=True):
+    type: Literal["function"]
+    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedTool(_Strict, kw_only=True):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Strict, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
+    strict: bool | None = None
+
+
+class TextOptions(_Strict, kw_only=True):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Strict, kw_only=True):
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextOptions | None = None
+    stream: bool = False
+    background: bool = False
+    store: bool | None = None
+    metadata: dict[str, Annotated[str, Meta(max_length=512)]] | None = None
+    previous_response_id: str | None = None
+    user: Annotated[str, Meta(max_length=256)] | None = None
 
 
 def refused_field(body: msgspec.Struct) -> str | None:
     """The first OpenAI field ``body`` sets that lastevent cannot honour."""
-    for name in REFUSED_FIELDS:
+    for name in refused_fields(type(body)):
         if getattr(body, name, None) is not None:
             return name
     return None
+
+
+@functools.cache
+def refused_fields(struct: type[msgspec.Struct]) -> tuple[str, ...]:
+    """The fields ``struct`` declares ``Refused``."""
+    hints = typing.get_type_hints(struct, include_extras=True)
+    return tuple(n for n, t in hints.items() if _RefusedMarker in getattr(t, "__metadata__", ()))
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -212,6 +263,7 @@ def error_responses(*statuses: int) -> dict[int, Any]:
         403: "The key may not use this model or route",
         404: "No such request (another tenant's request looks the same)",
         413: "Body over the size limit",
+        422: "The Idempotency-Key was used with another request body",
         429: "The key is over its limits (see Retry-After)",
         503: "Over capacity or no worker available (see Retry-After)",
     }

@@ -1,254 +1,104 @@
-"""Accepting a request: check what can be checked before the first byte, then write the
-log, the caller's reader lease and the job in one step."""
+"""Accepting a checked request (``intake.Submission``): admission, then the log, the
+caller's reader lease and the job in one step -- or, for a POST whose
+``Idempotency-Key`` made a request already, that request again.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
-import math
-import re
-import secrets
 import time
-from collections.abc import Sequence
 
+from service.api import tokens
 from service.api.auth import Principal
 from service.api.context import Context
-from service.api.contract import Output, chat_output, chat_prompt, check_engine
-from service.api.schemas import ChatCompletionRequest, CompletionRequest
-from service.errors import Forbidden, InvalidRequest, NotFound
+from service.api.intake import IDEMPOTENCY_HEADER, Idempotency, Submission
+from service.api.request_ids import REQUEST_ID_HEADER, new_request_id, no_such_request
+from service.errors import Unprocessable
 from service.store.keys import principal as who
 from service.store.presence import Lease
 from service.store.queue import Job, encode_job
-from service.stream.events import Created, Kind
-from service.stream.ids import Cursor, InvalidEventId
-from service.stream.params import SamplingParams
-from service.stream.tools import ToolFormat
+from service.stream.events import Created
 
-MAX_STOP_STRINGS = 4
-MAX_STOP_LEN = 64
+REPLAYED_HEADER = "Idempotent-Replayed"  # the answer is that of an earlier POST (Stripe's name)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Submission:
-    kind: Kind
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    include_usage: bool
-    continuous_usage: bool
-    resume_grace_s: float
-    detached: bool
-    n: int = 1
-    tools: ToolFormat | None = None
-    user: str | None = None
-    response: bytes | None = None  # /v1/responses: the parameters its objects echo
-    store: bool = True  # False: not archived, a short hot TTL
+class Accepted:
+    """A request the POST stands for: new, or (``replayed``) the one its
+    ``Idempotency-Key`` made before. ``lease``: the caller's reader lease, taken with the
+    request (None for a replay: its reader takes one). ``headers``: what every answer
+    about it carries (its id, a stream token to read it without the API key)."""
+
+    request_id: str
+    created: Created
+    lease: Lease | None
+    headers: dict[str, str]
+
+    @property
+    def replayed(self) -> bool:
+        return self.lease is None
 
 
-# what ``new_request_id`` issues, and so all a per-request route may look up
-REQUEST_ID_RE = re.compile(r"(?:chatcmpl|cmpl)-[0-9a-f]{32}|resp_[0-9a-f]{32}")
-_PREFIX = {Kind.CHAT: "chatcmpl-", Kind.TEXT: "cmpl-", Kind.RESPONSE: "resp_"}
-_SHOWN_ID_CHARS = 64
-
-
-def new_request_id(kind: Kind) -> str:
-    """Unguessable: 128 random bits."""
-    return _PREFIX[kind] + secrets.token_hex(16)
-
-
-def no_such_request(request_id: str) -> NotFound:
-    """The one answer for an id that never existed, another tenant's request and a
-    string that is not a request id at all: nothing tells them apart."""
-    shown = request_id[:_SHOWN_ID_CHARS] + ("..." if len(request_id) > _SHOWN_ID_CHARS else "")
-    return NotFound(f"no request '{shown}'", param="request_id", code="not_found")
-
-
-def parse_cursor(raw: str | None, param: str) -> Cursor | None:
-    """A ``Last-Event-ID`` (or ``?after=``) as a cursor; empty: none; malformed: a 400."""
-    if raw is None or raw == "":
-        return None
+async def accept(
+    ctx: Context, sub: Submission, principal: Principal, idempotency: Idempotency | None
+) -> Accepted:
+    """The request ``sub`` asks for: submitted, or found again by its Idempotency-Key
+    (the same key and body: the same request; another body: a 422)."""
+    signer = await ctx.stream_tokens()  # (before the request exists: nothing to undo)
+    if idempotency is None:
+        rid, created, lease = await submit(ctx, sub, principal)
+        return Accepted(rid, created, lease, _headers(signer, principal, rid))
+    who_ = who(principal.tenant, principal.key_id)
+    rid = new_request_id(sub.kind)
+    bound = await ctx.idempotency.claim(who_, idempotency.key, rid, idempotency.digest)
+    if bound is not None:  # a retry after a lost response, or another request entirely
+        return await _again(ctx, principal, bound, idempotency, signer)
     try:
-        return Cursor.parse(raw)
-    except InvalidEventId as exc:
-        raise InvalidRequest(str(exc), param=param, code="invalid_event_id") from None
+        rid, created, lease = await submit(ctx, sub, principal, rid)
+    except BaseException:  # refused (429, 503, ...): a retry with this key may try again
+        with contextlib.suppress(Exception):
+            await ctx.idempotency.release(who_, idempotency.key, rid)
+        raise
+    return Accepted(rid, created, lease, _headers(signer, principal, rid))
 
 
-def foreign_cursor(cursor: Cursor, rid: str, param: str) -> InvalidRequest:
-    """The 400 for a cursor that is not an event of this request."""
-    return InvalidRequest(
-        f"event id '{cursor}' is not an event of request '{rid}'",
-        param=param,
-        code="invalid_event_id",
-    )
+def _headers(signer: tokens.StreamTokens, principal: Principal, rid: str) -> dict[str, str]:
+    """The request id, and a stream token for reading it without the API key."""
+    return {REQUEST_ID_HEADER: rid, tokens.HEADER: signer.issue(principal, rid)}
 
 
-def checked_request_id(request_id: str) -> str:
-    """A path's request id, if this server could have issued it; otherwise the unknown
-    id's 404. Call it before the first lookup: the stores must never see anything else
-    (Postgres rejects a NUL in a text parameter, which would be a 500)."""
-    if REQUEST_ID_RE.fullmatch(request_id) is None:
-        raise no_such_request(request_id)
-    return request_id
-
-
-def check_model(
-    ctx: Context, body: ChatCompletionRequest | CompletionRequest, principal: Principal
-) -> None:
-    if body.model != ctx.model.name:
-        raise InvalidRequest(
-            f"the model '{body.model}' does not exist; this server serves '{ctx.model.name}'",
-            param="model",
-            code="model_not_found",
-        )
-    if not principal.may_use(body.model):
-        raise Forbidden(
-            f"this API key may not use the model '{body.model}'",
-            param="model",
-            code="model_not_allowed",
-        )
-
-
-def check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if len(stops) > MAX_STOP_STRINGS:
-        raise InvalidRequest(
-            f"'stop' has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed",
-            param="stop",
-            code="invalid_stop",
-        )
-    for s in stops:
-        if not s:
-            raise InvalidRequest("'stop' strings must not be empty", param="stop")
-        if len(s) > MAX_STOP_LEN:
-            raise InvalidRequest(
-                f"'stop' string of {len(s)} characters; at most {MAX_STOP_LEN} are allowed",
-                param="stop",
-                code="invalid_stop",
-            )
-    return tuple(stops)
-
-
-def check_max_tokens(
-    requested: int | None,
-    prompt_tokens: int,
-    default: int,
-    ctx_len: int,
-    *,
-    param: str = "max_tokens",
-    prompt_param: str = "messages",
-) -> int:
-    """``param``/``prompt_param``: the fields the client sent, named in the 400."""
-    room = ctx_len - prompt_tokens
-    if room <= 0:
-        raise InvalidRequest(
-            f"the prompt has {prompt_tokens} tokens; the model's context length is {ctx_len}",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
-    if requested is None:
-        return min(room, default)
-    if requested > room:
-        raise InvalidRequest(
-            f"{param} is {requested} but the prompt has {prompt_tokens} tokens and the "
-            f"model's context length is {ctx_len} (at most {room} tokens can be generated)",
-            param=param,
-            code="context_length_exceeded",
-        )
-    return requested
-
-
-def submission(
+async def _again(
     ctx: Context,
-    body: ChatCompletionRequest | CompletionRequest,
-    kind: Kind,
-    prompt_ids: list[int],
-    max_tokens: int | None,
-    output: Output,
-    *,
-    max_param: str | None = None,
-    prompt_param: str | None = None,
-) -> Submission:
-    """``max_param`` / ``prompt_param``: the client's names of the two, when the body is
-    a translation (``/v1/responses``'s ``max_output_tokens``, ``input``)."""
-    settings = ctx.settings
-    ctx_len = min(ctx.model.max_model_len, settings.max_model_len)
-    options = body.stream_options
-    grace = settings.resume_grace_s
-    if options is not None and options.resume_grace_s is not None:
-        grace = options.resume_grace_s
-        if not math.isfinite(grace) or grace > settings.max_resume_grace_s:
-            raise InvalidRequest(
-                f"stream_options.resume_grace_s is {grace:g}; at most "
-                f"{settings.max_resume_grace_s:g} seconds are allowed",
-                param="stream_options.resume_grace_s",
-            )
-    params = SamplingParams.from_request(
-        body,
-        max_tokens=check_max_tokens(
-            max_tokens,
-            len(prompt_ids),
-            settings.default_max_tokens,
-            ctx_len,
-            param=max_param
-            or (
-                "max_completion_tokens"
-                if getattr(body, "max_completion_tokens", None) is not None
-                else "max_tokens"
-            ),
-            prompt_param=prompt_param or ("messages" if kind == Kind.CHAT else "prompt"),
-        ),
-        stop=check_stop(body.stop),
-        logprobs=output.logprobs,
-        structured=output.structured,
-    )
-    check_engine(settings.engine, params)
-    return Submission(
-        kind=kind,
-        prompt_token_ids=prompt_ids,
-        params=params,
-        include_usage=bool(options and options.include_usage),
-        continuous_usage=bool(options and options.include_usage and options.continuous_usage_stats),
-        resume_grace_s=grace,
-        detached=bool(options and options.detached),
-        n=body.n or 1,
-        tools=output.tools,
-        user=body.user,
-    )
-
-
-def chat_submission(
-    ctx: Context,
-    body: ChatCompletionRequest,
-    kind: Kind,
-    max_tokens: int | None,
-    *,
-    max_param: str | None = None,
-    prompt_param: str = "messages",
-) -> Submission:
-    """A chat request (a chat completion, or what a response asks for) checked, its
-    output resolved and its conversation rendered; ``max_param`` / ``prompt_param``: the
-    client's names of the two, in the 400s. (The caller has checked the model.)"""
-    output = chat_output(body, ctx.model, ctx.settings.tool_parser)
-    try:
-        text = chat_prompt(ctx.model, body)
-    except Exception as exc:  # noqa: BLE001 - the template rejects the conversation
-        raise InvalidRequest(f"invalid {prompt_param}: {exc}", param=prompt_param) from None
-    return submission(
-        ctx,
-        body,
-        kind,
-        ctx.model.encode(text),
-        max_tokens,
-        output,
-        max_param=max_param,
-        prompt_param=prompt_param,
-    )
+    principal: Principal,
+    bound: tuple[str, str],
+    idempotency: Idempotency,
+    signer: tokens.StreamTokens,
+) -> Accepted:
+    """The request an Idempotency-Key made already -- with another body, a 422 (the key
+    names one request, never two)."""
+    rid, bound_digest = bound
+    if bound_digest != idempotency.digest:
+        raise Unprocessable(
+            "this Idempotency-Key was used with another request body",
+            param=IDEMPOTENCY_HEADER,
+            code="idempotency_key_reused",
+        )
+    created = None
+    for _ in range(50):  # the first POST may still be creating it (one round trip)
+        created = await ctx.log.first(rid)
+        if created is not None:
+            break
+        await asyncio.sleep(0.05)
+    if created is None or created.tenant != principal.tenant:
+        raise no_such_request(rid)
+    headers = {**_headers(signer, principal, rid), REPLAYED_HEADER: "true"}
+    return Accepted(rid, created, None, headers)
 
 
 async def submit(
-    ctx: Context,
-    sub: Submission,
-    model_name: str,
-    principal: Principal,
-    request_id: str | None = None,
+    ctx: Context, sub: Submission, principal: Principal, request_id: str | None = None
 ) -> tuple[str, Created, Lease]:
     """Create the log (``created`` event), take the caller's reader lease, enqueue the job.
 
@@ -259,7 +109,7 @@ async def submit(
     await ctx.admission.admit(who(principal.tenant, principal.key_id), rid)
     created = Created(
         kind=str(sub.kind),
-        model=model_name,
+        model=sub.model,
         created=int(time.time()),
         prompt_tokens=len(sub.prompt_token_ids),
         include_usage=sub.include_usage,

@@ -26,6 +26,7 @@ import time
 from service.api.metrics import REQUEUED
 from service.store.log import LogError, RedisLog
 from service.store.queue import Heartbeats, Job, RequestQueue, wait_for_takeover
+from service.stream.endings import Failure
 from service.stream.lifecycle import Requeue, State
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,6 @@ class Sweeper:
         sweeper_id: str,
         stale_s: float = 5.0,
         interval_s: float = 2.0,
-        hot_log_ttl_s: int = 3600,
         max_takeovers: int = 2,
         takeover_wait_s: float = 0.0,
         request_deadline_s: float = 600.0,
@@ -52,7 +52,6 @@ class Sweeper:
         self.sweeper_id = sweeper_id
         self.stale_s = stale_s
         self.interval_s = interval_s
-        self.hot_log_ttl_s = hot_log_ttl_s
         self.max_takeovers = max_takeovers
         self.takeover_wait_s = takeover_wait_s  # 0: until the request's deadline
         self.request_deadline_s = request_deadline_s
@@ -138,9 +137,7 @@ class Sweeper:
         if owner is None:  # it ended after all, or expired
             return
         try:
-            await self.log.end_errored(
-                rid, owner.epoch, "worker_lost", message, ttl_s=self.hot_log_ttl_s, worker_id=worker
-            )
+            await self.log.fail(rid, owner.epoch, Failure("worker_lost", message), worker_id=worker)
             log.warning("request %s: ended errored: %s", rid, message)
         except LogError as exc:
             log.warning("request %s: could not end it: %s", rid, exc)

@@ -24,9 +24,10 @@ from redis.exceptions import RedisError
 
 from service.store import replies, scripts
 from service.store.keys import Keys
-from service.store.log import free_slots
+from service.store.log import Retention, free_slots
 from service.store.pool import STORE_ERRORS
 from service.stream import events as ev
+from service.stream.endings import Ending
 from service.stream.lifecycle import Meta, State
 
 log = logging.getLogger(__name__)
@@ -51,9 +52,10 @@ class Delivery:
 
 
 class Control:
-    def __init__(self, redis: Redis, keys: Keys) -> None:
+    def __init__(self, redis: Redis, keys: Keys, retention: Retention | None = None) -> None:
         self.redis = redis
         self.keys = keys
+        self.retention = retention or Retention()
         self._lease = scripts.register(redis, "lease")
         self._leave = scripts.register(redis, "leave")
         self._check = scripts.register(redis, "check")
@@ -62,14 +64,10 @@ class Control:
     def _keys(self, rid: str) -> list[str]:
         return [self.keys.meta(rid), self.keys.readers(rid)]
 
-    async def cancel(
-        self,
-        rid: str,
-        queued_end: ev.End,
-        ttl_s: int,
-        queued_summary: ev.Summary,
-        created: ev.Created,
-    ) -> CancelOutcome:
+    async def cancel(self, rid: str, queued: Ending) -> CancelOutcome:
+        """``queued``: the request's ending if it is still queued (``cancel.lua`` writes
+        it, with its outbox entry; its TTL and admission slot from it, as ``RedisLog.end``)."""
+        summary = queued.summary
         keys = [
             self.keys.meta(rid),
             self.keys.log(rid),
@@ -77,13 +75,14 @@ class Control:
             self.keys.scratch(rid),
             self.keys.tails(rid),
         ]
-        args: list[Any] = [ev.encode(queued_end), ttl_s, ev.encode_summary(queued_summary)]
+        [end] = queued.events
+        ttl_s = self.retention.ttl_s(summary)
+        args: list[Any] = [ev.encode(end), ttl_s, ev.encode_summary(summary)]
         parts = replies.texts(await self._cancel(keys=keys, args=args))
         outcome = CancelOutcome(parts[0], parts[1] if len(parts) > 1 else None)
-        if outcome.outcome == str(State.CANCELLED) and outcome.detail:  # ended here
-            await free_slots(
-                self.redis, [(self.keys.inflight_of(created.tenant, created.api_key_id), rid)]
-            )
+        if outcome.outcome == State.CANCELLED and outcome.detail and summary.tenant is not None:
+            inflight = self.keys.inflight_of(summary.tenant, summary.api_key_id)
+            await free_slots(self.redis, [(inflight, rid)])  # ended here
         if outcome.outcome == "cancelling" and outcome.detail:
             await self.redis.publish(self.keys.control(outcome.detail), f"cancel:{rid}")
         return outcome

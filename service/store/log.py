@@ -1,10 +1,9 @@
-"""Request logs in Redis: create, claim, fenced append, read.
+"""Request logs in Redis: create, claim, fenced append, the terminal write, read.
 
 The atomic parts are Lua scripts shipped as package files (``service/store/scripts``).
-``AppendBatcher`` is how a worker writes: every append made while the previous
-round trip was in flight goes out in the next one, as one call of the append
-script, so all of one engine step's deltas -- for every request the worker runs --
-cost one round trip and one Redis command.
+A worker writes through its ``AppendBatcher`` (``batcher.py``): one script call per
+flush for all of its requests. Every ending is written by ``end`` (an ``Ending`` from
+``service/stream/endings.py``), whoever ends the request.
 """
 
 from __future__ import annotations
@@ -19,12 +18,15 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from service.settings import Settings
 from service.store import replies, scripts
 from service.store.keys import EVENT_FIELD, Keys
-from service.store.pool import STORE_ERRORS, UNREACHABLE
+from service.store.pool import STORE_ERRORS
+from service.stream import endings
 from service.stream import events as ev
+from service.stream.endings import Ending, Failure, Recovery
 from service.stream.ids import EventId
-from service.stream.lifecycle import Meta, State
+from service.stream.lifecycle import Meta
 
 
 async def free_slots(redis: Redis, ended: Sequence[tuple[str, str]]) -> None:
@@ -95,10 +97,28 @@ class RequestMeta:
     recovery: Recovery = dataclasses.field(default_factory=lambda: Recovery())
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Retention:
+    """How long a finished log stays in Redis (its meta and log keys' TTL from the end)."""
+
+    hot_ttl_s: int = 3600
+    unstored_ttl_s: int = 30  # ``store: false``: briefly (not archived either)
+
+    @classmethod
+    def of(cls, settings: Settings) -> Retention:
+        return cls(settings.hot_log_ttl_s, settings.unstored_ttl_s)
+
+    def ttl_s(self, summary: ev.Summary) -> int:
+        if not summary.store:
+            return min(self.unstored_ttl_s, self.hot_ttl_s)
+        return self.hot_ttl_s
+
+
 class RedisLog:
-    def __init__(self, redis: Redis, keys: Keys) -> None:
+    def __init__(self, redis: Redis, keys: Keys, retention: Retention | None = None) -> None:
         self.redis = redis
         self.keys = keys
+        self.retention = retention or Retention()
         self._create = scripts.register(redis, "create")
         self._claim = scripts.register(redis, "claim")
         self._append = scripts.register(redis, "append")
@@ -184,8 +204,10 @@ class RedisLog:
         expect: int | None = None,
         inflight_key: str = "",
     ) -> list[EventId]:
-        """``expect``: the entries the log must hold before these (``None``: no check);
-        ``inflight_key``: the API key's in-flight set, freed with a terminal event."""
+        """The append script as it is: ``expect``: the entries the log must hold before
+        these (``None``: no check); a terminal append (``terminal_state``) carries its
+        TTL, outbox ``summary`` and ``inflight_key`` (the API key's in-flight set, freed
+        with it). Ending a request is ``end``: it works those out from the ending."""
         item = Append(
             request_id, epoch, events, terminal_state, ttl_s, summary, expect, inflight_key
         )
@@ -261,57 +283,67 @@ class RedisLog:
                 out.append(error if isinstance(error, LogError) else LogError(status))
         return out
 
-    async def end_errored(
+    def terminal(
+        self, request_id: str, epoch: int, ending: Ending, *, expect: int | None, ack: bytes
+    ) -> Append:
+        """The terminal append of ``ending`` (``endings.py``): its events, its state, its
+        summary for the outbox, how long the finished log stays (``Retention``), the
+        admission slot it frees and the queue entry ``ack`` it acknowledges -- all worked
+        out here, from the ending, for every caller."""
+        summary = ending.summary
+        inflight = ""
+        if summary.tenant is not None:  # (None: the log's created is gone, and who sent it)
+            inflight = self.keys.inflight_of(summary.tenant, summary.api_key_id)
+        return Append(
+            request_id,
+            epoch,
+            ending.events,
+            terminal_state=ending.state,
+            ttl_s=self.retention.ttl_s(summary),
+            summary=ev.encode_summary(summary),
+            expect=expect,
+            inflight_key=inflight,
+            ack=ack,
+        )
+
+    async def end(self, request_id: str, epoch: int, ending: Ending, *, ack: bytes = b"") -> None:
+        """Write ``ending`` (the one terminal write; a worker's go through its batcher).
+        Raises ``Fenced`` / ``AlreadyEnded`` / ``LogGap`` like ``append``."""
+        [result] = await self.append_many(
+            [self.terminal(request_id, epoch, ending, expect=None, ack=ack)]
+        )
+        if isinstance(result, LogError):
+            raise result
+
+    async def fail(
         self,
         request_id: str,
         epoch: int,
-        code: str,
-        message: str,
+        failure: Failure,
         *,
-        ttl_s: int,
         worker_id: str,
         prompt_tokens: int = 0,
+        ack: bytes = b"",
     ) -> None:
-        """End a request its worker can no longer finish (it vanished, or failed): an
-        in-band ``error`` and the terminal ``errored`` event, with its outbox entry. The
-        token counts come from the log (``prompt_tokens`` if its ``created`` is gone).
-        Raises ``Fenced`` / ``AlreadyEnded`` like ``append``."""
+        """End a request its worker can no longer finish (it vanished, or failed): errored,
+        with the token counts its log reached (``prompt_tokens`` if its ``created`` is
+        gone) and its recovery counts. Raises like ``end``."""
         entries = await self.read(request_id)
         first: tuple[EventId, ev.Created] | None = None
         if entries and isinstance(entries[0][1], ev.Created):
             first = (entries[0][0], entries[0][1])
             prompt_tokens = first[1].prompt_tokens
-        completion = ev.completion_tokens(e for _, e in entries)
         meta = await self.meta(request_id)
-        recovery = meta.recovery if meta is not None else Recovery()
-        end = ev.End(
-            str(State.ERRORED),
-            None,
-            prompt_tokens,
-            completion,
-            takeovers=recovery.takeovers,
-            handovers=recovery.handovers,
-            reprefill_tokens=recovery.reprefill_tokens,
-        )
-        summary = ev.summarize(
+        request = endings.Request(
             request_id,
             first,
-            end,
+            prompt_tokens,
             now_ms=int(time.time() * 1000),
-            error_code=code,
+            recovery=meta.recovery if meta is not None else Recovery(),
             worker_id=worker_id,
         )
-        await self.append(
-            request_id,
-            epoch,
-            [ev.Error(code, message), end],
-            terminal_state=end.state,
-            ttl_s=ttl_s,
-            summary=ev.encode_summary(summary),
-            inflight_key=self.keys.inflight_of(first[1].tenant, first[1].api_key_id)
-            if first is not None
-            else "",
-        )
+        completion = ev.completion_tokens(e for _, e in entries)
+        await self.end(request_id, epoch, endings.failed(request, failure, completion), ack=ack)
 
     async def meta(self, request_id: str) -> RequestMeta | None:
         raw = await self.redis.hgetall(self.keys.meta(request_id))
@@ -399,16 +431,6 @@ class Append:
     ack: bytes = b""  # the queue entry to acknowledge (and delete) with the terminal event
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Recovery:
-    """A continued request's counts: times its worker was lost (takeovers), times a stopping
-    worker handed it over, tokens prefilled again to continue it."""
-
-    takeovers: int = 0
-    handovers: int = 0
-    reprefill_tokens: int = 0
-
-
 @dataclasses.dataclass(slots=True)
 class Owner:
     """A claimed request: the epoch that fences its appends, and how many entries its log
@@ -418,167 +440,3 @@ class Owner:
     epoch: int
     events: int
     first: tuple[EventId, ev.Created] | None = None  # the log's ``created`` (from the claim)
-
-
-class AppendBatcher:
-    """Group commit for a worker's appends: one script call per flush.
-
-    While Redis cannot be reached (a restart, a failover), a flush is sent again with
-    backoff until each append's ``give_up_at``; the appends carry their owner's position,
-    so one whose reply was lost is not written twice.
-
-    ``interval_s``: a flush is sent no sooner than this after the previous one was (an
-    append after a quiet spell goes at once). Under load every flush then carries the
-    steps of that long -- fewer round trips, script calls and tail wakes per token, at
-    the cost of up to ``interval_s`` more latency per token (vLLM's ``--stream-interval``,
-    in time; an engine whose outputs queue while its consumer waits, as vLLM's do, also
-    merges a fast request's steps meanwhile)."""
-
-    def __init__(
-        self, log: RedisLog, *, max_backoff_s: float = 1.0, interval_s: float = 0.0
-    ) -> None:
-        self._log = log
-        self._interval_s = interval_s
-        self._last_sent = -interval_s
-        self._pending: list[tuple[Append, Owner, float, asyncio.Future[list[EventId]]]] = []
-        self._wakeup = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._max_backoff_s = max_backoff_s
-        self.round_trips = 0  # for tests and metrics: flushes sent
-        self.appends = 0
-        self.retries = 0  # flushes sent again after a connection failure
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="append-batcher")
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    async def append(
-        self,
-        owner: Owner,
-        events: Sequence[ev.Event],
-        *,
-        terminal_state: str = "",
-        ttl_s: int = 0,
-        summary: bytes = b"",
-        give_up_at: float = 0.0,
-        inflight_key: str = "",
-        ack: bytes = b"",
-    ) -> list[EventId]:
-        """Append at ``owner``'s position; ``give_up_at`` (unix s): keep trying through a
-        Redis outage until then (0: fail on the first connection error); ``ack``: the
-        queue entry the terminal event acknowledges."""
-        future: asyncio.Future[list[EventId]] = asyncio.get_running_loop().create_future()
-        item = Append(
-            owner.request_id,
-            owner.epoch,
-            events,
-            terminal_state,
-            ttl_s,
-            summary,
-            owner.events,
-            inflight_key,
-            ack,
-        )
-        self._pending.append((item, owner, give_up_at, future))
-        self._wakeup.set()
-        return await future
-
-    async def _run(self) -> None:
-        backoff = 0.05
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            wait = self._last_sent + self._interval_s - time.monotonic()
-            # let every task that is ready in this loop iteration (or, with an interval,
-            # until it is over) add its step first
-            await asyncio.sleep(max(0.0, wait))
-            batch, self._pending = self._pending, []
-            if not batch:
-                continue
-            self._last_sent = time.monotonic()
-            retry = await self._flush(batch)
-            if retry:
-                self._pending[:0] = retry  # first in the next flush, in their order
-                self._wakeup.set()
-                self.retries += 1
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self._max_backoff_s)
-            else:
-                backoff = 0.05
-
-    async def _flush(
-        self, batch: list[tuple[Append, Owner, float, asyncio.Future[list[EventId]]]]
-    ) -> list[tuple[Append, Owner, float, asyncio.Future[list[EventId]]]]:
-        """Send ``batch``; returns what must be sent again (Redis unreachable)."""
-        batch = [entry for entry in batch if not entry[3].done()]  # callers that gave up
-        items = _merged([(item, owner) for item, owner, *_ in batch])
-        try:
-            merged = await self._log.append_many([item for item, _ in items])
-        except UNREACHABLE as exc:
-            now = time.time()
-            retry = []
-            for entry in batch:
-                if entry[2] > now:
-                    retry.append(entry)
-                else:
-                    entry[3].set_exception(exc)
-            return retry
-        except Exception as exc:  # noqa: BLE001 - every caller of this flush gets it raised
-            for *_, future in batch:
-                future.set_exception(exc)
-            return []
-        self.round_trips += 1
-        self.appends += len(batch)
-        results = _split([(item, owner) for item, owner, *_ in batch], items, merged)
-        for (*_, future), result in zip(batch, results, strict=True):
-            if isinstance(result, LogError):
-                future.set_exception(result)
-            else:
-                future.set_result(result)
-        for (_, owner), result in zip(items, merged, strict=True):
-            if not isinstance(result, LogError):
-                owner.events += len(result)
-        return []
-
-
-def _merged(batch: list[tuple[Append, Owner]]) -> list[tuple[Append, Owner]]:
-    """One append per owner: a request's appends in one flush (its choices' steps) are
-    one script item, at the owner's position when the flush is sent (another choice's
-    append may have been in flight when this one was made), so that a flush sent again
-    after a lost reply is recognised as written. A terminal append is the owner's last."""
-    out: dict[int, tuple[Append, Owner]] = {}
-    for item, owner in batch:
-        prev = out.get(id(owner))
-        if prev is None:  # the position now: earlier flushes have moved it
-            out[id(owner)] = (dataclasses.replace(item, expect=owner.events), owner)
-            continue
-        first = prev[0]
-        out[id(owner)] = (
-            dataclasses.replace(item, events=[*first.events, *item.events], expect=first.expect),
-            owner,
-        )
-    return list(out.values())
-
-
-def _split(
-    batch: list[tuple[Append, Owner]],
-    items: list[tuple[Append, Owner]],
-    results: Sequence[list[EventId] | LogError],
-) -> list[list[EventId] | LogError]:
-    """Each append of ``batch``'s share of its owner's merged result, in batch order."""
-    by_owner = {id(owner): result for (_, owner), result in zip(items, results, strict=True)}
-    taken: dict[int, int] = {}
-    out: list[list[EventId] | LogError] = []
-    for item, owner in batch:
-        result = by_owner[id(owner)]
-        if isinstance(result, LogError):
-            out.append(result)
-            continue
-        start = taken.get(id(owner), 0)
-        taken[id(owner)] = start + len(item.events)
-        out.append(result[start : start + len(item.events)])
-    return out

@@ -40,12 +40,13 @@ _START = EventId(0, 0)
 
 
 class Interrupted(Exception):
-    """Put in every interruptible subscription's queue when the process starts draining."""
+    """Put in every interruptible subscription's queue when the process starts draining
+    (its reader tells its client to reconnect, elsewhere)."""
 
 
 class Idle(Exception):
-    """Put in an interruptible subscription's queue when nothing came for ``keepalive_s``
-    (its reader sends a keepalive). One ticker for all readers: no timer per wait."""
+    """Put in a keepalive subscription's queue when nothing came for ``keepalive_s`` (its
+    reader sends a keepalive). One ticker for all readers: no timer per wait."""
 
 
 IDLE = Idle()
@@ -103,11 +104,18 @@ class Subscription:
     """One reader's view of one log: an async iterator of event batches."""
 
     def __init__(
-        self, tailer: LogTailer, request_id: str, after: EventId | None, interruptible: bool
+        self,
+        tailer: LogTailer,
+        request_id: str,
+        after: EventId | None,
+        *,
+        keepalive: bool,
+        interruptible: bool,
     ) -> None:
         self.tailer = tailer
         self.request_id = request_id
         self.position = after or _START
+        self.keepalive = keepalive
         self.interruptible = interruptible
         self.queue = Mailbox()
 
@@ -195,7 +203,7 @@ class LogTailer:
         await asyncio.gather(*(s.stop() for s in self._shards))
 
     async def _tick(self, every_s: float) -> None:
-        """``IDLE`` to each interruptible reader that got nothing for ``every_s``
+        """``IDLE`` to each keepalive reader that got nothing for ``every_s``
         (checked every quarter of it: a keepalive is late by at most that). The logs of
         such idle readers are checked to still exist: one that Redis lost (it restarted
         without its data) gets ``LogLost`` to all of its readers, instead of pings for ever."""
@@ -208,7 +216,7 @@ class LogTailer:
                     if any(sub.queue.last_put <= due for sub in subs):
                         idle[key] = subs
                     for sub in subs:
-                        if sub.interruptible and sub.queue.last_put <= due:
+                        if sub.keepalive and sub.queue.last_put <= due:
                             sub.queue.put_nowait(IDLE)
             if idle:
                 await self._check_exist(idle)
@@ -230,11 +238,20 @@ class LogTailer:
                     sub.queue.put_nowait(lost)
 
     def subscribe(
-        self, request_id: str, after: EventId | None = None, *, interruptible: bool = False
+        self,
+        request_id: str,
+        after: EventId | None = None,
+        *,
+        keepalive: bool = False,
+        interruptible: bool = False,
     ) -> Subscription:
-        """Follow ``request_id``'s log after ``after``. An ``interruptible`` subscription
-        gets ``Interrupted`` in its queue when ``interrupt`` is called (process draining)."""
-        sub = Subscription(self, request_id, after, interruptible)
+        """Follow ``request_id``'s log after ``after``. A ``keepalive`` subscription gets
+        ``IDLE`` in its queue when nothing came for ``keepalive_s``; an ``interruptible``
+        one gets ``Interrupted`` when ``interrupt`` is called (the process drains). A
+        stream has both; a reader collecting one JSON answer neither."""
+        sub = Subscription(
+            self, request_id, after, keepalive=keepalive, interruptible=interruptible
+        )
         if interruptible and self._interrupted is not None:
             sub.queue.put_nowait(self._interrupted)
         key = self._keys.log(request_id)

@@ -1,11 +1,11 @@
 """One request's output assembly: token ids in, log events out.
 
-A worker calls ``step(new_ids)`` once per engine step and ``finish(...)`` when
-the engine is done; both return the events to append (at most a ``Delta`` and,
-at the end, the terminal ``End``). Deltas are produced only when there is text
-to release; the ids consumed meanwhile ride along with the next one. The
-assembler *decides* (``stopped``: a stop string completed, abort the engine);
-the caller acts.
+A worker calls ``step(new_ids)`` once per engine step and ``flush()`` when the
+engine finished; both return the deltas to append (at most one). Deltas are produced
+only when there is text to release; the ids consumed meanwhile ride along with the
+next one. The assembler *decides* (``stopped``: a stop string completed, abort the
+engine); the caller acts. How the choice ends is ``endings.py``'s to say, from what
+the assembler tells (``stopped``, ``has_calls``, ``completion_tokens``).
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ from collections.abc import Sequence
 from tokenizers import Tokenizer
 
 from service.stream.detokenize import Detokenizer
-from service.stream.events import Delta, End, Error, Event
+from service.stream.events import Delta, Event
 from service.stream.holdback import Holdback
-from service.stream.lifecycle import FinishReason, State
 from service.stream.logprobs import Logprob, Sampled, TokenText
 from service.stream.tools import ToolFragment, ToolParser
 
@@ -99,7 +98,6 @@ class Assembler:
         self._ids: list[int] = []
         self._shown = 0  # characters of content released
         self._done = False  # the tool calls asked for are complete
-        self.ended = False
 
     @classmethod
     def resume(
@@ -155,10 +153,21 @@ class Assembler:
         prompt)."""
         return self._ids
 
+    @property
+    def stopped(self) -> bool:
+        """A stop string completed, or the tool calls asked for are complete: the choice
+        is over (its text ends before the stop string)."""
+        return self._holdback.stopped or self._done
+
+    @property
+    def has_calls(self) -> bool:
+        """The choice made tool calls (a choice that stops with calls: "tool_calls")."""
+        return self._tools is not None and bool(self._tools.calls)
+
     def step(
         self, token_ids: Sequence[int], logprobs: Sequence[Sampled] | None = None
     ) -> StepResult:
-        if self.ended or self._holdback.stopped or self._done:
+        if self.stopped:
             # Tokens the engine made after the stop decision: counted, never shown.
             self.completion_tokens += len(token_ids)
             return StepResult([], True)
@@ -176,32 +185,17 @@ class Assembler:
         content, pieces = self._parse(released, stopped)
         return StepResult(self._delta(content, pieces), stopped or self._done)
 
-    def finish(self, state: State, finish_reason: str | None) -> list[Event]:
-        """Flush held text (unless a stop string ended it) and close with ``End``."""
-        events: list[Event] = []
-        if self._holdback.stopped or self._done:
-            state, finish_reason = State.FINISHED, FinishReason.STOP
-        elif state == State.FINISHED:
-            tail = self._detok.finish()
-            released, stopped = self._holdback.feed(tail) if tail else ("", False)
-            if stopped:
-                finish_reason = FinishReason.STOP
-            else:
-                released += self._holdback.finish()
-            events.extend(self._delta(*self._parse(released, True)))
-        if (
-            state == State.FINISHED
-            and finish_reason == FinishReason.STOP
-            and self._tools is not None
-            and self._tools.calls
-        ):
-            finish_reason = FinishReason.TOOL_CALLS
-        events.append(self._end(state, finish_reason))
-        return events
-
-    def fail(self, code: str, message: str) -> list[Event]:
-        """The engine failed: an in-band error, then ``End(errored)``."""
-        return [Error(code=code, message=message), self._end(State.ERRORED, None)]
+    def flush(self) -> list[Event]:
+        """The engine finished: release what was held back (the text can no longer
+        become a stop string), unless a stop string ended the choice -- or completes now,
+        with the detokenizer's last characters (then ``stopped``)."""
+        if self.stopped:
+            return []
+        tail = self._detok.finish()
+        released, stopped = self._holdback.feed(tail) if tail else ("", False)
+        if not stopped:
+            released += self._holdback.finish()
+        return self._delta(*self._parse(released, True))
 
     def _parse(self, released: str, last: bool) -> tuple[str, list[ToolFragment]]:
         """Released text as content and call pieces (``last``: nothing follows it)."""
@@ -235,12 +229,3 @@ class Assembler:
                 tools=list(pieces) or None,
             )
         ]
-
-    def _end(self, state: State, finish_reason: str | None) -> End:
-        self.ended = True
-        return End(
-            state=str(state),
-            finish_reason=None if finish_reason is None else str(finish_reason),
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-        )

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from typing import Any
 
 import msgspec
 
+from service.stream.lifecycle import FinishReason, State
 from service.stream.logprobs import Logprob
 from service.stream.tools import ToolFragment
 
@@ -75,10 +75,10 @@ class Error(_Event, tag="x"):
 
 
 class End(_Event, tag="e"):
-    """The terminal event: exactly one per log, always last."""
+    """The terminal event: exactly one per log, always last. Built by ``endings.py`` only."""
 
-    state: str
-    finish_reason: str | None
+    state: State
+    finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
     wasted_tokens: int = 0  # generated but never delivered to any reader (aborts)
@@ -88,7 +88,7 @@ class End(_Event, tag="e"):
     takeovers: int = 0
     handovers: int = 0
     reprefill_tokens: int = 0
-    finish_reasons: list[str | None] | None = None  # per choice, when n > 1
+    finish_reasons: list[FinishReason | None] | None = None  # per choice, when n > 1
 
 
 Event = Created | Delta | Error | End
@@ -117,14 +117,15 @@ def decode(data: bytes) -> Event:
 
 
 class Summary(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
-    """What the billing row needs, written to the outbox with the terminal event."""
+    """What the billing row needs, written to the outbox with the terminal event (built by
+    ``endings.py`` with the ``End`` it agrees with)."""
 
     request_id: str
     kind: str
     model: str
     created_ms: int
-    state: str
-    finish_reason: str | None
+    state: State
+    finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
     wasted_tokens: int = 0
@@ -140,38 +141,6 @@ class Summary(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     reprefill_tokens: int = 0
     user: str | None = None
     store: bool = True  # False: the recorder writes the billing row, not the archive
-
-
-def summarize(
-    request_id: str,
-    first: tuple[Any, Created] | None,
-    end: End,
-    *,
-    now_ms: int,
-    **extra: Any,
-) -> Summary:
-    """The outbox summary of a request that ends with ``end``. ``first`` is the log's
-    (event id, Created) when it is still there; ``now_ms`` stands in for its time."""
-    created_id, created = first if first is not None else (None, None)
-    return Summary(
-        request_id=request_id,
-        kind=created.kind if created else "",
-        model=created.model if created else "",
-        created_ms=created_id.ms if created_id is not None else now_ms,
-        state=end.state,
-        finish_reason=end.finish_reason,
-        prompt_tokens=end.prompt_tokens,
-        completion_tokens=end.completion_tokens,
-        wasted_tokens=end.wasted_tokens,
-        takeovers=end.takeovers,
-        handovers=end.handovers,
-        reprefill_tokens=end.reprefill_tokens,
-        tenant=created.tenant if created else None,
-        api_key_id=created.api_key_id if created else None,
-        user=created.user if created else None,
-        store=created.store if created else True,
-        **extra,
-    )
 
 
 _summary_decoder = msgspec.msgpack.Decoder(Summary)

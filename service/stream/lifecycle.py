@@ -13,6 +13,13 @@ whose worker is lost (or stops) is queued again (``requeue.lua``): that bumps th
 epoch, which fences the previous owner's appends out, and the next worker's ``claim``
 continues it from its log (a takeover). ``claim`` by a sweeper ends a request nobody
 can continue.
+
+``TRANSITIONS`` is that machine as a table (h11's ``_state.py`` habit): every script's
+step, from every state, to the states it may leave the request in. The scripts guard
+their steps with it (the prelude's ``T``), and ``tests/integration/test_transitions.py``
+runs every script from every state in a real Redis against it: a new state or
+transition is one edit here plus its test. Which ending a request gets is decided in
+``endings.py``.
 """
 
 from __future__ import annotations
@@ -46,6 +53,14 @@ class FinishReason(enum.StrEnum):
     TOOL_CALLS = "tool_calls"  # the choice ended with tool calls (instead of "stop")
     CANCELLED = "cancelled"
     ABANDONED = "abandoned"
+
+
+class EngineFinish(enum.StrEnum):
+    """Why an engine says a request's generation is over (vLLM's finish reasons)."""
+
+    STOP = "stop"  # an EOS or stop token id (its id is the last one yielded)
+    LENGTH = "length"  # max_tokens, or the model's context
+    ABORT = "abort"  # aborted: asked to (cancel, abandon, handover) or on its own
 
 
 # The finish_reason a decided abort ends with.
@@ -90,6 +105,42 @@ class Requeue(enum.StrEnum):
     HANDOVER = "handover"  # its worker is stopping (SIGTERM) and hands it over
 
 
+class Step(enum.StrEnum):
+    """What a script does to a request's state (``TRANSITIONS``' columns)."""
+
+    CREATE = "create"  # create.lua: the API accepts it
+    CLAIM = "claim"  # claim.lua: a worker (or the sweeper, to end it) takes ownership
+    APPEND = "append"  # append.lua without a terminal event
+    END = "ending"  # append.lua with the terminal event: to the state it names
+    CANCEL = "cancel"  # cancel.lua
+    REQUEUE = "requeue"  # requeue.lua: queued again for another worker (lost, handover)
+
+
+# (state before, step) -> the states the step may leave the request in. A pair that is
+# not here is refused: the script answers so and changes nothing. ``None``: no such
+# request (never made, or expired). Every other script (check, lease, leave, resumed,
+# follow) changes no state.
+TRANSITIONS: dict[tuple[State | None, Step], frozenset[State]] = {
+    (None, Step.CREATE): frozenset({State.QUEUED}),
+    (State.QUEUED, Step.CLAIM): frozenset({State.RUNNING}),
+    # a takeover's claim (queued again: no owner), or the owner's own retry
+    (State.RUNNING, Step.CLAIM): frozenset({State.RUNNING}),
+    (State.RUNNING, Step.APPEND): frozenset({State.RUNNING}),
+    (State.RUNNING, Step.END): TERMINAL_STATES,
+    # still queued: ended on the spot (no engine sees it); running: flagged, its owner aborts
+    (State.QUEUED, Step.CANCEL): frozenset({State.CANCELLED}),
+    (State.RUNNING, Step.CANCEL): frozenset({State.RUNNING}),
+    # never started: another worker runs it; started: ownerless, the next claim continues it
+    (State.QUEUED, Step.REQUEUE): frozenset({State.QUEUED}),
+    (State.RUNNING, Step.REQUEUE): frozenset({State.RUNNING}),
+}
+
+
+def allowed(state: State | None, step: Step) -> frozenset[State]:
+    """The states ``step`` may take a request in ``state`` to (empty: refused)."""
+    return TRANSITIONS.get((state, step), frozenset())
+
+
 def lua_prelude() -> str:
     """Lua locals for every name above; prepended to each script by the loader."""
     states = ", ".join(f"{s.name}='{s.value}'" for s in State)
@@ -97,6 +148,12 @@ def lua_prelude() -> str:
     meta = ", ".join(f"{m.name.lower()}='{m.value}'" for m in Meta)
     verdicts = ", ".join(f"{v.name}={v.value}" for v in Verdict)
     why = ", ".join(f"{r.name}='{r.value}'" for r in Requeue)
+    # T.<step>[state]: the step is allowed from that state (T.create: from none at all;
+    # T.ending: the terminal append)
+    steps = []
+    for step in Step:
+        froms = sorted(s.value for (s, st) in TRANSITIONS if st == step and s is not None)
+        steps.append(f"{step.value}={{{', '.join(f'{f}=true' for f in froms)}}}")
     return (
         "-- generated from service/stream/lifecycle.py\n"
         f"local S = {{{states}}}\n"
@@ -104,4 +161,5 @@ def lua_prelude() -> str:
         f"local M = {{{meta}}}\n"
         f"local V = {{{verdicts}}}\n"
         f"local R = {{{why}}}\n"
+        f"local T = {{{', '.join(steps)}}}\n"
     )

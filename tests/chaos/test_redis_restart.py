@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from service.store.batcher import AppendBatcher
 from service.store.keys import Keys
-from service.store.log import AppendBatcher, RedisLog
+from service.store.log import RedisLog
 from service.store.pool import connect
 from service.stream import events as ev
 from tests.chaos.conftest import ChaosRedis

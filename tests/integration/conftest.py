@@ -10,9 +10,13 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 
+from service.store.batcher import AppendBatcher
 from service.store.keys import Keys
-from service.store.log import AppendBatcher, RedisLog
+from service.store.log import Owner, RedisLog
 from service.store.tail import LogTailer
+from service.stream import events as ev
+from service.stream.endings import Ending
+from tests.endings import ending
 
 
 @pytest.fixture
@@ -59,3 +63,8 @@ async def tailer(tail_client: tuple[Redis, str], keys: Keys) -> AsyncIterator[Lo
     await t.start()  # no shard, no read yet: each test's first subscribe starts one
     yield t
     await t.stop()
+
+
+def finished(owner: Owner, *events: ev.Event) -> Ending:
+    """A test's ending of ``owner``'s request: ``events``, its ``End`` last."""
+    return ending(owner.request_id, *events)

@@ -14,6 +14,7 @@ from service.store import replies, scripts
 from service.store.control import Control
 from service.store.keys import END_ID_FIELD, EVENT_FIELD, JOB_FIELD, SUMMARY_FIELD, Keys
 from service.store.log import RedisLog
+from service.stream import endings
 from service.stream import events as ev
 from service.stream.lifecycle import TERMINAL_STATES, Meta, State, Verdict
 
@@ -59,9 +60,8 @@ async def test_the_scripts_write_the_python_names(redis: Redis, key_prefix: str)
         raw = await redis.hgetall(keys.meta(rid))
         assert {replies.text(k) for k in raw} <= {m.value for m in Meta}
         assert replies.text(replies.field(raw, Meta.STATE)) == State.QUEUED
-        end = ev.End(str(State.CANCELLED), "cancelled", 1, 0)
-        summary = ev.summarize(rid, None, end, now_ms=0)
-        outcome = await Control(redis, keys).cancel(rid, end, 60, summary, first)
+        queued = endings.cancelled_queued(endings.Request(rid, None, 1, 0))
+        outcome = await Control(redis, keys).cancel(rid, queued)
         assert outcome.outcome == State.CANCELLED
         meta = await log.meta(rid)
         assert meta is not None and meta.state == State.CANCELLED

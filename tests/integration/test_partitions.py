@@ -18,7 +18,9 @@ from service.store.log import Append, RedisLog
 from service.store.outbox import Outbox
 from service.store.queue import Job, RequestQueue
 from service.stream import events as ev
+from service.stream.lifecycle import FinishReason, State
 from service.stream.params import SamplingParams
+from tests import endings as endings_for_tests
 from tests.waiting import eventually
 from workers.recorder import Recorder
 
@@ -53,7 +55,7 @@ async def end_in_the_log(log: RedisLog, rid: str, first: ev.Created) -> None:
     owner = await log.claim(rid, "w")
     assert owner is not None
     end = ev.End("finished", "stop", 2, 0)
-    summary = ev.summarize(rid, (first_id, first), end, now_ms=0)
+    summary = endings_for_tests.summary(rid, end, (first_id, first))
     await log.append(
         rid,
         owner.epoch,
@@ -86,7 +88,7 @@ async def test_a_flush_over_every_partition_writes_each_request_in_order(
         if ended:
             events.append(ev.End("finished", "stop", 2, 1))
         summary = ev.encode_summary(
-            ev.summarize(rid, None, ev.End("finished", "stop", 2, 1), now_ms=0)
+            endings_for_tests.summary(rid, ev.End(State.FINISHED, FinishReason.STOP, 2, 1))
         )
         items.append(
             Append(

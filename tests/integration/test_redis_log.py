@@ -18,11 +18,11 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
 
+from service.store.batcher import AppendBatcher
 from service.store.keys import QUEUE_GROUP, Keys
 from service.store.log import (
     AlreadyEnded,
     Append,
-    AppendBatcher,
     Fenced,
     LogGap,
     LogGone,
@@ -35,6 +35,7 @@ from service.store.tail import Batch, LogTailer, Subscription
 from service.stream import events as ev
 from service.stream.ids import EventId
 from service.stream.params import SamplingParams
+from tests.integration.conftest import finished
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.timeout(30)
@@ -349,7 +350,7 @@ async def test_tailer_multiplexes_many_readers(
             *(batcher.append(e, [delta(2 * step + 1), delta(2 * step + 2)]) for r, e in everyone)
         )
     await asyncio.gather(
-        *(batcher.append(e, [END], terminal_state="finished", ttl_s=60) for r, e in everyone)
+        *(batcher.end(e, finished(e, END)) for r, e in everyone)
     )
 
     rests = await asyncio.gather(
@@ -385,7 +386,7 @@ async def test_tailer_shards_logs_and_reuses_room(
         assert tailer.shards == 3 and tailer.subscriptions == 21
         for _r, e in requests:
             await batcher.append(e, [delta(1)])
-            await batcher.append(e, [END], terminal_state="finished", ttl_s=60)
+            await batcher.end(e, finished(e, END))
         got = await asyncio.wait_for(asyncio.gather(*(collect(s, 3) for s in [*subs, twin])), 5)
         for (r, _), events in zip([*requests, requests[0]], got, strict=True):
             assert events == await rlog.read(r)

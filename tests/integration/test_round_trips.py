@@ -25,12 +25,12 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
+from service.store.batcher import AppendBatcher
 from service.store.control import Control
 from service.store.keys import QUEUE_GROUP, Keys
 from service.store.log import (
     AlreadyEnded,
     Append,
-    AppendBatcher,
     Fenced,
     LogGap,
     Owner,
@@ -41,6 +41,7 @@ from service.store.queue import Job, RequestQueue, encode_job
 from service.stream import events as ev
 from service.stream.lifecycle import Meta
 from service.stream.params import SamplingParams
+from tests.integration.conftest import finished
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -191,7 +192,7 @@ async def test_claim_of_an_ended_or_unknown_request_is_none(
     rlog: RedisLog, batcher: AppendBatcher
 ) -> None:
     request_id, owner = await new_request(rlog)
-    await batcher.append(owner, [END], terminal_state="finished", ttl_s=60)
+    await batcher.end(owner, finished(owner, END))
     assert await rlog.claim(request_id, "w1") is None
     assert await rlog.claim(request_id, "w2") is None
     assert await rlog.claim(rid(), "w1") is None
@@ -221,10 +222,10 @@ async def test_the_end_acks_and_deletes_the_queue_entry(
     assert await queue_state(redis, queue_key) == (1, 1)
     owner = await rlog.claim(request_id, "w1", entry_id)
     assert owner is not None
-    # a step that does not end the request acks nothing, whatever it carries
-    await batcher.append(owner, [delta(1)], ack=entry_id)
+    # a step that does not end the request acks nothing
+    await batcher.append(owner, [delta(1)])
     assert await queue_state(redis, queue_key) == (1, 1)
-    ids = await batcher.append(owner, [END], terminal_state="finished", ttl_s=60, ack=entry_id)
+    ids = await batcher.end(owner, finished(owner, END), ack=entry_id)
     assert len(ids) == 1
     assert await queue_state(redis, queue_key) == (0, 0)
     assert await redis.xrange(queue_key) == []
@@ -247,7 +248,7 @@ async def test_a_refused_end_acks_nothing(
 
     # fenced: nothing written, nothing acked
     with pytest.raises(Fenced):
-        await batcher.append(stale, [END], terminal_state="finished", ttl_s=60, ack=entry_id)
+        await batcher.end(stale, finished(stale, END), ack=entry_id)
     assert await queue_state(redis, queue_key) == (1, 1)
     assert [e for _, e in await rlog.read(request_id)] == [created(), delta(1)]
     meta = await rlog.meta(request_id)
@@ -261,10 +262,10 @@ async def test_a_refused_end_acks_nothing(
     assert await queue_state(redis, queue_key) == (1, 1)
 
     # already ended (by an end that did not ack): a second end acks nothing either
-    await batcher.append(current, [END], terminal_state="finished", ttl_s=60)
+    await batcher.end(current, finished(current, END))
     assert await queue_state(redis, queue_key) == (1, 1)
     with pytest.raises(AlreadyEnded):
-        await batcher.append(current, [END], terminal_state="finished", ttl_s=60, ack=entry_id)
+        await batcher.end(current, finished(current, END), ack=entry_id)
     assert await queue_state(redis, queue_key) == (1, 1)
     assert [e for _, e in await rlog.read(request_id)] == [created(), delta(1), END]
 
@@ -301,7 +302,7 @@ async def test_the_end_acks_in_its_own_partitions_queue(redis: Redis, key_prefix
         await asyncio.wait_for(
             asyncio.gather(
                 *(
-                    batcher.append(owner, [END], terminal_state="finished", ttl_s=60, ack=entry)
+                    batcher.end(owner, finished(owner, END), ack=entry)
                     for _, entry, owner in requests
                 )
             ),
@@ -364,7 +365,7 @@ async def test_a_lease_released_after_the_end_does_not_touch_the_ended_request(
     presence = Presence(Control(redis, keys))
     request_id, owner = await new_request(rlog)
     lease = await presence.acquire(request_id)
-    await batcher.append(owner, [delta(1), END], terminal_state="finished", ttl_s=60)
+    await batcher.end(owner, finished(owner, delta(1), END))
     assert not await redis.exists(keys.readers(request_id))
     lease.delivered = END.completion_tokens
     lease.ended = True

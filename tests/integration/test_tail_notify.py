@@ -16,9 +16,11 @@ import pytest
 from redis.asyncio import Redis
 
 from service.store import tail
+from service.store.batcher import AppendBatcher
 from service.store.keys import Keys
-from service.store.log import AppendBatcher, RedisLog
+from service.store.log import RedisLog
 from service.store.tail import LogTailer
+from tests.integration.conftest import finished
 from tests.integration.test_redis_log import (
     END,
     collect,
@@ -128,7 +130,7 @@ async def test_registration_lives_with_the_request_and_goes_with_its_end(
     tails = keys.tails(request_id)
     assert await redis.smembers(tails) == {wake.encode()}
     assert 0 < await redis.ttl(tails) <= await redis.ttl(keys.meta(request_id))
-    await batcher.append(owner, [END], terminal_state="finished", ttl_s=60)
+    await batcher.end(owner, finished(owner, END))
     assert [e for _, e in await collect(sub, 1)] == [END]
     assert not await redis.exists(tails)
     sub.close()

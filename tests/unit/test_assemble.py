@@ -13,9 +13,10 @@ from pathlib import Path
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from service.stream import endings
 from service.stream.assemble import Assembler
-from service.stream.events import Delta, End
-from service.stream.lifecycle import State
+from service.stream.events import Delta, End, Event
+from service.stream.lifecycle import EngineFinish
 from service.tokenize import ModelInfo, ModelMeta
 from tests.unit.conftest import EOS_TOKEN, VOCAB_SIZE
 from tests.unit.test_holdback import reference_cut
@@ -32,6 +33,24 @@ def split(ids: list[int], cuts: list[int]) -> list[list[int]]:
     return [ids[a:b] for a, b in itertools.pairwise(points)]
 
 
+def finish(asm: Assembler, engine: EngineFinish) -> list[Event]:
+    """The engine finished the choice: the held text, then the choice's ``End`` (as the
+    worker ends it: ``endings.finished``, then the request's ending of that one choice)."""
+    tail = asm.flush()
+    choice = endings.finished(
+        0,
+        engine,
+        stopped=asm.stopped,
+        calls=asm.has_calls,
+        completion_tokens=asm.completion_tokens,
+        tail=tail,
+    )
+    request = endings.Request("chatcmpl-test", None, asm.prompt_tokens, 0)
+    ending = endings.ran(request, [choice])
+    assert isinstance(ending, endings.Ending)
+    return list(ending.events)
+
+
 def run(model: ModelInfo, ids: list[int], stops: list[str], cuts: list[int]) -> tuple[str, End]:
     asm = Assembler(
         model.tokenizer, prompt_tokens=1, stop=stops, stop_token_ids=model.eos_token_ids
@@ -42,7 +61,7 @@ def run(model: ModelInfo, ids: list[int], stops: list[str], cuts: list[int]) -> 
         out += [e.text for e in res.events if isinstance(e, Delta)]
         if res.stopped:
             break
-    events = asm.finish(State.FINISHED, "length")
+    events = finish(asm, EngineFinish.LENGTH)
     out += [e.text for e in events if isinstance(e, Delta)]
     end = events[-1]
     assert isinstance(end, End)

@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 
 from service.stream.assemble import Assembler, ResumeMismatch
 from service.stream.events import Delta, End, Event
-from service.stream.lifecycle import State
+from service.stream.lifecycle import EngineFinish
 from service.stream.logprobs import Sampled, TokenText
 from service.stream.tools import ToolFormat, parser_for
 from service.tokenize import ModelInfo
-from tests.unit.test_assemble import PROPS, run, split, texts
+from tests.unit.test_assemble import PROPS, finish, run, split, texts
 
 
 def _assembler(model: ModelInfo, stops: list[str]) -> Assembler:
@@ -36,7 +36,7 @@ def _finish(asm: Assembler, rest: list[list[int]], out: list[Event]) -> End:
         out += res.events
         if res.stopped:
             break
-    events = asm.finish(State.FINISHED, "length")
+    events = finish(asm, EngineFinish.LENGTH)
     out += events
     end = events[-1]
     assert isinstance(end, End)
@@ -202,7 +202,7 @@ def test_a_continuation_with_tool_calls_equals_an_uninterrupted_run(
 
     whole, expected, _ = assembler()
     feed(whole, split(ids, cuts), expected)
-    expected += whole.finish(State.FINISHED, "stop")
+    expected += finish(whole, EngineFinish.STOP)
     first, logged_events, _ = assembler()
     feed(first, split(ids, cuts)[:dies_after], logged_events)
     logged = [e for e in logged_events if isinstance(e, Delta)]
@@ -210,7 +210,7 @@ def test_a_continuation_with_tool_calls_equals_an_uninterrupted_run(
     asm, out, stopped = assembler(logged)
     if not stopped:
         feed(asm, split(ids[consumed:], cuts), out)
-    out += asm.finish(State.FINISHED, "stop")
+    out += finish(asm, EngineFinish.STOP)
     assert _tool_output([*logged, *out]) == _tool_output(expected)
     end, whole_end = out[-1], expected[-1]
     assert isinstance(end, End) and isinstance(whole_end, End)

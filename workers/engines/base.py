@@ -33,6 +33,7 @@ import dataclasses
 from collections.abc import AsyncGenerator, Sequence
 from typing import Protocol
 
+from service.stream.lifecycle import EngineFinish
 from service.stream.logprobs import Sampled
 from service.stream.params import SamplingParams
 
@@ -49,7 +50,7 @@ class EngineError(Exception):
 class StepOutput:
     token_ids: list[int]  # new ids of this step (may be empty on the last step)
     finished: bool = False
-    finish_reason: str | None = None  # "stop" (stop token) | "length" | "abort"
+    finish_reason: EngineFinish | None = None
     # one per id of ``token_ids`` when ``params.logprobs`` is not None, else None
     logprobs: list[Sampled] | None = None
 

@@ -30,11 +30,12 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from service.stream.lifecycle import EngineFinish
 from service.stream.logprobs import Sampled
 from service.stream.params import SamplingParams, Structured
 from workers.engines.base import EngineError, StepOutput
 
-_ABORTED = StepOutput([], finished=True, finish_reason="abort")
+_ABORTED = StepOutput([], finished=True, finish_reason=EngineFinish.ABORT)
 _ANY_OBJECT = '{"type": "object"}'  # json_object, as vLLM's xgrammar backend compiles it
 _REMEMBERED_EARLY_ABORTS = 1024
 
@@ -193,7 +194,7 @@ class CpuEngine:
         left = params.max_tokens - len(request.generated)
         budget = min(left, self._max_len - len(prompt)) if self._max_len else left
         if budget <= 0:
-            request.emit(StepOutput([], finished=True, finish_reason="length"))
+            request.emit(StepOutput([], finished=True, finish_reason=EngineFinish.LENGTH))
             return
         # masked before min_tokens, and what a finished grammar allows (as vLLM's stop ids)
         stops = self.eos_token_ids | frozenset(params.stop_token_ids)
@@ -210,7 +211,7 @@ class CpuEngine:
                 token, sampled = sampler.next(logits)
                 logprobs = None if sampled is None else [sampled]
                 if token in ends or produced == budget:
-                    reason = "stop" if token in ends else "length"
+                    reason = EngineFinish.STOP if token in ends else EngineFinish.LENGTH
                     request.emit(
                         StepOutput([token], finished=True, finish_reason=reason, logprobs=logprobs)
                     )

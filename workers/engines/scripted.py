@@ -29,6 +29,7 @@ import itertools
 import time
 from collections.abc import AsyncGenerator, Iterator, Sequence
 
+from service.stream.lifecycle import EngineFinish
 from service.stream.logprobs import Sampled
 from service.stream.params import SamplingParams
 from service.tokenize import ModelInfo
@@ -145,11 +146,11 @@ class ScriptedEngine:
         ends = {*params.stop_token_ids, *(() if params.ignore_eos else self._model.eos_token_ids)}
         next_at = time.monotonic()
         if produced >= params.max_tokens:
-            yield StepOutput([], finished=True, finish_reason="length")
+            yield StepOutput([], finished=True, finish_reason=EngineFinish.LENGTH)
             return
         for token_id in answer:
             if request_id in self._aborted:
-                yield StepOutput([], finished=True, finish_reason="abort")
+                yield StepOutput([], finished=True, finish_reason=EngineFinish.ABORT)
                 return
             if self._fail_after is not None and produced >= self._fail_after:
                 raise EngineError(f"scripted failure after {produced} tokens", "engine_failure")
@@ -164,18 +165,18 @@ class ScriptedEngine:
             if delay > 0:
                 await self._sleep(request_id, delay)
                 if request_id in self._aborted:  # the abort lands now, not after the step
-                    yield StepOutput([], finished=True, finish_reason="abort")
+                    yield StepOutput([], finished=True, finish_reason=EngineFinish.ABORT)
                     return
             k = params.logprobs
             logprobs = None if k is None else [self._logprob(token_id, produced, k)]
             produced += 1
             # the script's own EOS, one inside the echoed text, or a stop id
             if token_id in ends or produced >= params.max_tokens:
-                reason = "stop" if token_id in ends else "length"
+                reason = EngineFinish.STOP if token_id in ends else EngineFinish.LENGTH
                 yield StepOutput([token_id], finished=True, finish_reason=reason, logprobs=logprobs)
                 return
             yield StepOutput([token_id], logprobs=logprobs)
-        yield StepOutput([], finished=True, finish_reason="stop")  # a model without EOS
+        yield StepOutput([], finished=True, finish_reason=EngineFinish.STOP)  # a model without EOS
 
     async def _sleep(self, request_id: str, delay: float) -> None:
         """``asyncio.sleep`` that ``abort`` wakes early (a future, not a task per step)."""

@@ -38,11 +38,12 @@ from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
 from typing import Any
 
+from service.stream.lifecycle import EngineFinish
 from service.stream.logprobs import Sampled
 from service.stream.params import SamplingParams
 from workers.engines.base import EngineError, StepOutput
 
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+_FINISH = {"stop": EngineFinish.STOP, "length": EngineFinish.LENGTH, "abort": EngineFinish.ABORT}
 _CONTINUATION = "lastevent_continuation"  # the extra_args key ContinuationProcessor reads
 CONTINUATION_PROCESSOR = f"{__name__}:ContinuationProcessor"
 
@@ -117,7 +118,7 @@ class VllmEngine:
             raise EngineError("the vLLM engine is not started", "engine_not_ready")
         left = params.max_tokens - len(generated)
         if left <= 0:
-            yield StepOutput([], finished=True, finish_reason="length")
+            yield StepOutput([], finished=True, finish_reason=EngineFinish.LENGTH)
             return
         sampling = self._sampling(params, generated, left)
         # a takeover: vLLM prefills the prompt and the ids made elsewhere, and continues
@@ -129,7 +130,7 @@ class VllmEngine:
                 if out.finished:
                     if str(completion.finish_reason) == "error":
                         raise EngineError("vLLM failed the request", "engine_error")
-                    reason = _FINISH.get(str(completion.finish_reason), "abort")
+                    reason = _FINISH.get(str(completion.finish_reason), EngineFinish.ABORT)
                 ids = list(completion.token_ids)
                 logprobs = None
                 if params.logprobs is not None:
@@ -142,7 +143,7 @@ class VllmEngine:
         except Exception as exc:  # the engine died or rejected the request
             raise EngineError(f"vLLM failed: {exc}", "engine_error") from exc
         # the stream ended without a finished output: vLLM dropped it (aborted)
-        yield StepOutput([], finished=True, finish_reason="abort")
+        yield StepOutput([], finished=True, finish_reason=EngineFinish.ABORT)
 
     def _sampling(self, params: SamplingParams, generated: Sequence[int], left: int) -> Any:
         """vLLM's ``SamplingParams`` for ours; ``left``: the ids still to make."""

@@ -11,8 +11,8 @@ from litestar import Controller, Request, get
 from litestar.response import Stream
 
 from service.api.context import Context
+from service.api.request_ids import checked_request_id, no_such_request
 from service.api.schemas import error_responses
-from service.api.submit import checked_request_id, no_such_request
 from service.errors import Forbidden, InvalidRequest
 from service.stream import replay, sse
 

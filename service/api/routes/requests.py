@@ -2,42 +2,24 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import Any
 
 from litestar import Controller, Request, Response, get, post
 from litestar.response import Stream
 
+from service.api import intake
 from service.api.auth import Principal
+from service.api.cancel import cancel_request
 from service.api.context import Context
 from service.api.metrics import RESUMES
 from service.api.readers import cold_frames, nothing_after, sse_frames
-from service.api.routes.completions import REQUEST_ID_HEADER
+from service.api.request_ids import REQUEST_ID_HEADER, checked_request_id, no_such_request, owned
 from service.api.schemas import error_responses
 from service.api.status import request_status
-from service.api.submit import (
-    checked_request_id,
-    foreign_cursor,
-    no_such_request,
-    parse_cursor,
-)
 from service.stream import sse
-from service.stream.events import Created, End, Event, summarize
+from service.stream.events import Created, Event
 from service.stream.ids import EventId
-from service.stream.lifecycle import FinishReason, State
-
-
-def _owned(
-    created: Event | None, principal: Principal, rid: str, *, required: bool = False
-) -> Created | None:
-    """The request's ``Created`` if it belongs to the caller's tenant. Another tenant's
-    request gets the same 404 as one that never existed."""
-    if created is None and not required:
-        return None
-    if not isinstance(created, Created) or created.tenant != principal.tenant:
-        raise no_such_request(rid)
-    return created
+from service.stream.lifecycle import State
 
 
 async def _archived(ctx: Context, rid: str) -> list[tuple[EventId, Event]]:
@@ -67,32 +49,29 @@ class RequestsController(Controller):
     ) -> Stream | Response[bytes]:
         """SSE from the start, or after ``Last-Event-ID`` (header) / ``?after=``; 204 when
         the cursor is the terminal event (nothing more will come)."""
-        header = request.headers.get("last-event-id")
-        cursor = parse_cursor(header, "Last-Event-ID") if header else parse_cursor(after, "after")
-        param = "Last-Event-ID" if header else "after"
+        cursor, param = intake.event_cursor(request, after, "after")
         # after the cursor's check, as for an id that never existed (same answers)
         checked_request_id(request_id)
         headers = {**sse.HEADERS, REQUEST_ID_HEADER: request_id}
         # first entry, the cursor's entry, last entry: one round trip (each await is a turn
         # of a busy event loop, and this is the reconnect latency a client feels)
         first, known, last = await ctx.log.look(request_id, cursor.event if cursor else None)
-        found = first[1] if first is not None and isinstance(first[1], Created) else None
-        created = _owned(found, principal, request_id)
-        if created is None:  # the hot log is gone: one cursor, served from the archive
+        if first is None or not isinstance(first[1], Created):
+            # the hot log is gone: one cursor, served from the archive
             entries = await _archived(ctx, request_id)
-            cold = _owned(entries[0][1], principal, request_id, required=True)
-            assert cold is not None
+            cold = owned(entries[0][1], principal, request_id)
             if cursor is not None and cursor.event not in {eid for eid, _ in entries}:
-                raise foreign_cursor(cursor, request_id, param)
+                raise intake.foreign_cursor(cursor, request_id, param)
             if nothing_after(request_id, cold, entries[-1], cursor):
                 return Response(b"", status_code=204, headers={REQUEST_ID_HEADER: request_id})
             hint = ctx.settings.reconnect_hint_ms
             frames = cold_frames(request_id, entries, cursor, hint)
             return Stream(frames, media_type=sse.MEDIA_TYPE, headers=headers)
+        created = owned(first[1], principal, request_id)
         if cursor is not None:
             RESUMES.inc()
             if not known:
-                raise foreign_cursor(cursor, request_id, param)
+                raise intake.foreign_cursor(cursor, request_id, param)
             if nothing_after(request_id, created, last, cursor):
                 # the client has it all: 204 is how the SSE standard tells it to stop (an
                 # empty 200 makes EventSource reconnect every few seconds, for ever)
@@ -126,32 +105,3 @@ class RequestsController(Controller):
         it is terminal, 202 if the worker has not confirmed within ``cancel_wait_s``."""
         found = await cancel_request(ctx, principal, request_id)
         return Response(found, status_code=200 if State(found["state"]).terminal else 202)
-
-
-async def cancel_request(ctx: Context, principal: Principal, request_id: str) -> dict[str, Any]:
-    """Cancel the caller's request; its status once terminal (or after ``cancel_wait_s``)."""
-    checked_request_id(request_id)
-    created = _owned(await ctx.log.first(request_id), principal, request_id, required=True)
-    assert created is not None
-    queued_end = End(
-        state=str(State.CANCELLED),
-        finish_reason=str(FinishReason.CANCELLED),
-        prompt_tokens=created.prompt_tokens,
-        completion_tokens=0,
-    )
-    first = await ctx.log.first_with_id(request_id)
-    summary = summarize(request_id, first, queued_end, now_ms=int(time.time() * 1000))
-    outcome = await ctx.control.cancel(
-        request_id, queued_end, ctx.settings.hot_log_ttl_s, summary, created
-    )
-    if outcome.outcome == "missing":
-        raise no_such_request(request_id)
-    deadline = time.monotonic() + ctx.settings.cancel_wait_s
-    while True:
-        found = await request_status(ctx, request_id)
-        if found is None:
-            raise no_such_request(request_id)
-        found.pop("tenant", None)
-        if State(found["state"]).terminal or time.monotonic() >= deadline:
-            return found
-        await asyncio.sleep(0.02)

@@ -21,18 +21,13 @@ _STARTED = int(time.time())
 VERSION = importlib.metadata.version("lastevent")
 
 
-def context_length(ctx: Context) -> int:
-    """The longest prompt + answer a request may ask for (what submit checks against)."""
-    return min(ctx.model.max_model_len, ctx.settings.max_model_len)
-
-
 def model_object(ctx: Context) -> dict[str, Any]:
     return {
         "id": ctx.model.name,
         "object": "model",
         "created": _STARTED,
         "owned_by": "lastevent",
-        "max_model_len": context_length(ctx),
+        "max_model_len": ctx.context_length,
     }
 
 

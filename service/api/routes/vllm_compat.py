@@ -18,10 +18,9 @@ from msgspec import Meta
 from service.api.auth import Principal
 from service.api.context import Context
 from service.api.contract import render_conversation
-from service.api.routes.completions import JsonBodyRequest
-from service.api.routes.system import context_length
+from service.api.intake import JsonBodyRequest, check_model
 from service.api.schemas import ChatMessage, error_responses
-from service.errors import Forbidden, InvalidRequest
+from service.errors import InvalidRequest
 from service.tokenize import ModelInfo
 
 
@@ -52,22 +51,6 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 
 class DetokenizeResponse(msgspec.Struct, kw_only=True):
     prompt: str
-
-
-def check_model_name(ctx: Context, model: str | None, principal: Principal) -> None:
-    """``model`` is optional here (vLLM's); when sent, it is checked as completions check
-    it, and the key must be allowed the served model either way."""
-    name = ctx.model.name if model is None else model
-    if name != ctx.model.name:
-        raise InvalidRequest(
-            f"the model '{name}' does not exist; this server serves '{ctx.model.name}'",
-            param="model",
-            code="model_not_found",
-        )
-    if not principal.may_use(name):
-        raise Forbidden(
-            f"this API key may not use the model '{name}'", param="model", code="model_not_allowed"
-        )
 
 
 def chat_prompt(model: ModelInfo, messages: list[ChatMessage], generation_prompt: bool) -> str:
@@ -116,13 +99,13 @@ class VllmCompatController(Controller):
     async def tokenize(
         self, ctx: Context, principal: Principal, data: TokenizeRequest
     ) -> TokenizeResponse:
-        check_model_name(ctx, data.model, principal)
+        check_model(ctx, data.model, principal)
         ids = token_ids(ctx.model, data)
         strs = None
         if data.return_token_strs:
             strs = [ctx.model.tokenizer.id_to_token(i) or "" for i in ids]
         return TokenizeResponse(
-            count=len(ids), max_model_len=context_length(ctx), tokens=ids, token_strs=strs
+            count=len(ids), max_model_len=ctx.context_length, tokens=ids, token_strs=strs
         )
 
     @post(
@@ -135,7 +118,7 @@ class VllmCompatController(Controller):
         self, ctx: Context, principal: Principal, data: DetokenizeRequest
     ) -> DetokenizeResponse:
         """Special tokens are kept (vLLM's: the text of exactly these ids)."""
-        check_model_name(ctx, data.model, principal)
+        check_model(ctx, data.model, principal)
         vocab = ctx.model.tokenizer.get_vocab_size()
         bad = [t for t in data.tokens if t >= vocab]
         if bad:

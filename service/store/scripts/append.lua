@@ -13,8 +13,9 @@
 -- acknowledges and deletes ('' if none), number of events n, the n events
 -- Returns one array per request: {'OK', <entry id>...}, or {'FENCED ...'} (not the
 -- owner) / {'ENDED ...'} (already terminal) / {'GAP ...'} (the log does not hold what the
--- caller wrote: Redis lost data) / {'GONE ...'} (Redis lost the whole request), which leave
--- that request untouched. The same append
+-- caller wrote: Redis lost data) / {'GONE ...'} (Redis lost the whole request) /
+-- {'INVALID ...'} (no terminal state), which leave that request untouched (the states a
+-- step may go from and to: the prelude's T and TERMINAL, from lifecycle.TRANSITIONS). The same append
 -- sent again (its reply was lost) is not written twice: it answers the ids it got.
 local out = {}
 local a, k = 1, 3
@@ -42,6 +43,10 @@ while a <= #ARGV do
     out[#out + 1] = ids
   elseif TERMINAL[state] then
     out[#out + 1] = {'ENDED request already ' .. state}
+  elseif not T.append[state] or (terminal ~= '' and not T.ending[state]) then
+    out[#out + 1] = {'FENCED the request is ' .. tostring(state) .. ', not owned'}
+  elseif terminal ~= '' and not TERMINAL[terminal] then
+    out[#out + 1] = {'INVALID ' .. terminal .. ' is not a terminal state'}
   elseif expect ~= '' and have ~= tonumber(expect) then
     out[#out + 1] = {'GAP the log holds ' .. have .. ' entries, not ' .. expect}
   else

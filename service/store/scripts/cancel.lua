@@ -9,7 +9,7 @@
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
 local m = redis.call('HMGET', KEYS[1], M.state, M.epoch, M.owner)
 local state = m[1]
-if TERMINAL[state] then
+if not T.cancel[state] then
   return {state}
 end
 if state == S.QUEUED and m[2] == '0' then

@@ -10,7 +10,7 @@
 if redis.call('EXISTS', KEYS[1]) == 0 then return {-2} end
 local m = redis.call('HMGET', KEYS[1], M.state, M.owner, M.epoch, M.events, M.entry)
 local state = m[1]
-if TERMINAL[state] then
+if not T.claim[state] then
   return {-1}
 end
 if ARGV[2] ~= '' and m[5] and m[5] ~= ARGV[2] then

@@ -15,7 +15,7 @@
 -- queued again already, or the caller is not its owner any more).
 local m = redis.call('HMGET', KEYS[1], M.state, M.epoch, M.entry, M.takeovers)
 local state = m[1]
-if not state or TERMINAL[state] or (m[3] and m[3] ~= ARGV[1]) then return false end
+if not T.requeue[state] or (m[3] and m[3] ~= ARGV[1]) then return false end
 if ARGV[5] ~= '' and m[2] ~= ARGV[5] then return false end
 local started = state == S.RUNNING
 if not started and m[2] ~= '0' then return false end

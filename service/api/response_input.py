@@ -12,61 +12,12 @@ nested in chat; ``text.format`` is chat's ``response_format``.
 from __future__ import annotations
 
 import hashlib
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import msgspec
-from msgspec import Meta
 
+from service.api.schemas import NamedTool, ResponsesRequest
 from service.errors import InvalidRequest
-
-
-class _Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
-    """A request object: a field it does not declare is a 400 naming it."""
-
-
-class FunctionTool(_Strict, kw_only=True):
-    type: Literal["function"]
-    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class NamedTool(_Strict, kw_only=True):
-    type: Literal["function"]
-    name: str
-
-
-class TextFormat(_Strict, kw_only=True):
-    type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
-    description: str | None = None
-    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
-    strict: bool | None = None
-
-
-class TextOptions(_Strict, kw_only=True):
-    format: TextFormat | None = None
-
-
-class ResponsesRequest(_Strict, kw_only=True):
-    model: str
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
-    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
-    parallel_tool_calls: bool | None = None
-    text: TextOptions | None = None
-    stream: bool = False
-    background: bool = False
-    store: bool | None = None
-    metadata: dict[str, Annotated[str, Meta(max_length=512)]] | None = None
-    previous_response_id: str | None = None
-    user: Annotated[str, Meta(max_length=256)] | None = None
-
 
 # the parameters every response object echoes (in this order; the renderer fills defaults)
 ECHOED = (
