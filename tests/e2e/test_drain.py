@@ -3,6 +3,7 @@ time, and the streams resume on another API process."""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -75,3 +76,44 @@ def test_sigterm_tells_streams_to_reconnect_and_they_resume_elsewhere(stack: Sta
         )
     assert_ids_increase(seen + rest)
     assert content_of(seen + rest) == LONG
+
+
+def test_sigterm_tells_responses_streams_to_reconnect_too(stack: Stack) -> None:
+    """A Responses stream on a draining API process gets the reconnect hint and closes;
+    it resumes elsewhere after its last sequence number (its ``Last-Event-ID``)."""
+    doomed = stack.start_api()
+    api_proc = stack.procs[-1]
+    survivor = stack.api_urls[1]  # (the first test's doomed process is api_urls[0])
+    body = {"model": stack.model, "input": LONG, "stream": True}
+    seen = []
+    retry = None
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", doomed + "/v1/responses", json=body) as r,
+    ):
+        rid = r.headers["x-request-id"]
+        for event in EventSource(r).iter_sse():
+            if event.retry is not None:
+                retry = event.retry
+            if event.data:
+                seen.append(event)
+            if len(seen) == 6:
+                api_proc.send_signal(signal.SIGTERM)
+    assert retry == 250  # the reconnect hint arrived, then the stream closed
+    assert seen[-1].event != "response.completed"  # cut short: the client resumes it
+    api_proc.wait(timeout=120)
+    with (
+        httpx.Client(base_url=survivor, timeout=30) as client,
+        client.stream(
+            "GET",
+            f"/v1/responses/{rid}",
+            params={"stream": "true"},
+            headers={"Last-Event-ID": seen[-1].id},
+        ) as r,
+    ):
+        rest = [e for e in EventSource(r).iter_sse() if e.data]
+    numbers = [int(e.id) for e in seen + rest]
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))  # no gap, no repeat
+    deltas = [e for e in seen + rest if e.event == "response.output_text.delta"]
+    assert "".join(json.loads(e.data)["delta"] for e in deltas) == LONG
+    assert rest[-1].event == "response.completed"

@@ -12,10 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import httpx2
 import pydantic
 import pytest
 from httpx_sse import EventSource
-from openai import BadRequestError, NotFoundError, OpenAI
+from openai import BadRequestError, NotFoundError, OpenAI, UnprocessableEntityError
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
@@ -325,3 +326,87 @@ def test_text_format_json_schema_parses_into_the_model(stack: Stack, sdk: OpenAI
     parsed = sdk.responses.parse(model=stack.model, input=text, text_format=City)
     assert parsed.output_parsed == City(city="Zürich", population=423000)
     assert parsed.text.format.type == "json_schema"  # type: ignore[union-attr]
+
+
+class _CutFirstPost(httpx2.HTTPTransport):
+    """The server answers the first POST, but its answer never reaches the client: the
+    connection breaks before the headers are read (what a flaky network does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cut: list[str] = []  # the request ids the client never saw
+        self.keys: list[str | None] = []  # the Idempotency-Key of every POST
+
+    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+        response = super().handle_request(request)
+        if request.method == "POST":
+            self.keys.append(request.headers.get("idempotency-key"))
+            if not self.cut:
+                response.read()
+                response.close()
+                self.cut.append(response.headers["x-request-id"])
+                raise httpx2.ReadError("cut before the answer arrived", request=request)
+        return response
+
+
+def test_a_background_response_cut_before_its_headers_is_found_again_by_its_key(
+    stack: Stack,
+) -> None:
+    """The official SDK's idempotency: with its idempotency header named, every POST gets a
+    key (``idempotency_key``), the same on each retry. The first POST's answer is lost;
+    the SDK's retry with the same key answers that same response, not a second one."""
+    transport = _CutFirstPost()
+    with OpenAI(
+        base_url=stack.url + "/v1",
+        api_key="unused",
+        max_retries=2,
+        http_client=httpx2.Client(transport=transport),
+    ) as sdk:
+        sdk._idempotency_header = "Idempotency-Key"  # what a Stainless SDK names to send them
+        raw = sdk.responses.with_raw_response.create(
+            model=stack.model, input="made once, found twice", background=True
+        )
+        made = raw.parse()
+        assert transport.cut and made.id == transport.cut[0]  # the one the first POST made
+        assert raw.headers["idempotent-replayed"] == "true"
+        assert len(transport.keys) == 2 and transport.keys[0] and len(set(transport.keys)) == 1
+        deadline = time.monotonic() + 60
+        while (got := sdk.responses.retrieve(made.id)).status != "completed":
+            assert time.monotonic() < deadline, got.status
+            time.sleep(0.1)
+    assert got.output_text == "made once, found twice"
+
+
+def test_idempotent_responses_stream_again_and_refuse_another_body(
+    stack: Stack, sdk: OpenAI
+) -> None:
+    """``Idempotency-Key`` as on chat completions: the same body again streams the same
+    response from its start (after ``Last-Event-ID``: the rest); another body is a 422."""
+    key = {"Idempotency-Key": f"resp-{random.getrandbits(64):x}"}
+    first = list(
+        sdk.responses.create(model=stack.model, input=LONG, stream=True, extra_headers=key)
+    )
+    rid = first[0].response.id  # type: ignore[union-attr]
+    again = sdk.responses.with_raw_response.create(
+        model=stack.model, input=LONG, stream=True, extra_headers=key
+    )
+    assert again.headers["idempotent-replayed"] == "true"
+    replayed = list(again.parse())
+    assert [e.model_dump() for e in replayed] == [e.model_dump() for e in first]
+    assert replayed[-1].response.id == rid  # type: ignore[union-attr]
+    with (
+        httpx.Client(base_url=stack.url, timeout=30) as client,
+        client.stream(
+            "POST",
+            "/v1/responses",
+            json={"model": stack.model, "input": LONG, "stream": True},
+            headers={**key, "Last-Event-ID": str(first[4].sequence_number)},
+        ) as r,
+    ):
+        rest = [e for e in EventSource(r).iter_sse() if e.data]
+    assert [json.loads(e.data)["sequence_number"] for e in rest] == [
+        e.sequence_number for e in first[5:]
+    ]
+    with pytest.raises(UnprocessableEntityError) as refused:
+        sdk.responses.create(model=stack.model, input="another body", extra_headers=key)
+    assert refused.value.code == "idempotency_key_reused"

@@ -128,3 +128,30 @@ def test_idle_stream_gets_keepalives_then_its_answer(stack: Stack) -> None:
         pings_before_content,
         first_content_after,
     )
+
+
+def test_an_idle_responses_stream_gets_keepalives_too(stack: Stack) -> None:
+    """A Responses stream during the same 1.6 s prefill: `: ping` lines (a proxy's idle
+    timeout would otherwise cut it), and the official SDK reads through them to the end."""
+    from openai import OpenAI
+
+    pings_before_text = 0
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream(
+            "POST",
+            stack.url + "/v1/responses",
+            json={"model": stack.model, "input": "still there", "stream": True},
+        ) as r,
+    ):
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line == ": ping":
+                pings_before_text += 1
+            elif line == "event: response.output_text.delta":
+                break
+    assert pings_before_text >= 2, pings_before_text
+    with OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0) as sdk:
+        events = list(sdk.responses.create(model=stack.model, input="still there", stream=True))
+    assert events[-1].type == "response.completed"
+    assert events[-1].response.output_text == "still there"  # type: ignore[union-attr]
