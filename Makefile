@@ -100,10 +100,11 @@ bench-guidellm: $(VLLM_STAMP) $(GUIDELLM_STAMP)  ## GuideLLM, unmodified: vLLM's
 test-fast: $(STAMP)  ## the unit tests: pure protocol and layout, no servers, no torch (seconds)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
-lint: $(STAMP)  ## the static gates CI runs first: ruff, ruff format, mypy strict
+lint: $(STAMP)  ## the static gates CI runs first: ruff, ruff format, mypy strict, the layout rules, the layout rules
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit/test_layout.py
 
 clean:  ## remove the virtualenv and caches (not the data dir)
 	rm -rf $(VENV) $(VLLM_VENV) $(GUIDELLM_VENV) .pytest_cache .hypothesis .cache

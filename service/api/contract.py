@@ -26,7 +26,8 @@ from service.api.schemas import (
 )
 from service.errors import InvalidRequest
 from service.stream.params import SamplingParams, Structured, unsupported
-from service.stream.tools import ToolFormat, detect_format, forced_schema, tool_system_prompt
+from service.stream.tool_prompts import detect_format, forced_schema, tool_system_prompt
+from service.stream.tools import ToolFormat
 from service.tokenize import ModelInfo
 
 TOOL_PARSERS = ("hermes", "llama3_json")

@@ -19,8 +19,9 @@ from litestar import Request
 from service.api.context import Context
 from service.api.metrics import READERS
 from service.api.response_input import kept
+from service.store.mailbox import IDLE, Batch, Interrupted, LogLost
 from service.store.presence import Lease
-from service.store.tail import IDLE, Batch, Interrupted, LogLost, Subscription
+from service.store.tail import Subscription
 from service.stream import endings, sse
 from service.stream.events import Created, Delta, End, Error, Event
 from service.stream.ids import Cursor, EventId

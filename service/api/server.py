@@ -154,84 +154,89 @@ def guarded_h11(read_timeout_s: float) -> type[H11Protocol]:
     return GuardedH11
 
 
-def guarded_httptools(read_timeout_s: float, max_head_bytes: int) -> type[HttpToolsProtocol]:
+class GuardedHttpTools(_ReadDeadline, HttpToolsProtocol):
     """uvicorn's httptools protocol (llhttp, in C) with the slowloris guard and a header
     flood guard (llhttp puts no bound on a request's head): a head over ``max_head_bytes``
     is answered 431 and the connection closed."""
 
-    class GuardedHttpTools(_ReadDeadline, HttpToolsProtocol):
-        _in_head = True  # reading a request's head (until its headers are complete)
-        _head_bytes = 0  # what arrived of the head in progress
-        _parsed = 0  # its URL and headers as parsed
-        _flooded = False
+    max_head_bytes = MAX_HEAD_BYTES
+    _in_head = True  # reading a request's head (until its headers are complete)
+    _head_bytes = 0  # what arrived of the head in progress
+    _parsed = 0  # its URL and headers as parsed
+    _flooded = False
 
-        def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
-            self._arm()
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._arm()
 
-        def data_received(self, data: bytes) -> None:
-            if self._flooded:
-                return
-            if self._in_head:
-                self._head_bytes += len(data)  # (a bound: part of it may be the body)
-            super().data_received(data)
-            # still in the head after all of it, or its parsed parts too long
-            if self._flooded or (self._in_head and self._head_bytes > max_head_bytes):
-                self._too_large()
+    def data_received(self, data: bytes) -> None:
+        if self._flooded:
+            return
+        if self._in_head:
+            self._head_bytes += len(data)  # (a bound: part of it may be the body)
+        super().data_received(data)
+        # still in the head after all of it, or its parsed parts too long
+        if self._flooded or (self._in_head and self._head_bytes > self.max_head_bytes):
+            self._too_large()
 
-        def _count(self, n: int) -> bool:
-            """Count parsed head bytes; False once the head is too large."""
-            self._parsed += n
-            if self._parsed > max_head_bytes:
-                self._flooded = True
-            return not self._flooded
-
-        def on_message_begin(self) -> None:
-            self._in_head, self._head_bytes, self._parsed = True, 0, 0
-            super().on_message_begin()
-
-        def on_url(self, url: bytes) -> None:
-            if self._count(len(url)):
-                super().on_url(url)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            if self._count(len(name) + len(value) + 4):
-                super().on_header(name, value)
-
-        def on_headers_complete(self) -> None:
-            self._in_head = False
-            if not self._flooded:  # a flooded request never reaches the app
-                super().on_headers_complete()
-
-        def on_body(self, body: bytes) -> None:
-            if not self._flooded:
-                super().on_body(body)
-
-        def on_message_complete(self) -> None:
-            if not self._flooded:
-                super().on_message_complete()
-                self._request_complete()
-
-        def _too_large(self) -> None:
+    def _count(self, n: int) -> bool:
+        """Count parsed head bytes; False once the head is too large."""
+        self._parsed += n
+        if self._parsed > self.max_head_bytes:
             self._flooded = True
-            if self.transport.is_closing():
-                return
-            self.logger.info("closing a connection whose request head is over %d B", max_head_bytes)
-            body = b"request header fields too large"
-            self.transport.write(
-                b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-                b"content-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
-                b"content-length: %d\r\n\r\n%s" % (len(body), body)
-            )
-            self.transport.close()
+        return not self._flooded
 
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._response_complete()
+    def on_message_begin(self) -> None:
+        self._in_head, self._head_bytes, self._parsed = True, 0, 0
+        super().on_message_begin()
 
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
+    def on_url(self, url: bytes) -> None:
+        if self._count(len(url)):
+            super().on_url(url)
 
-    GuardedHttpTools.read_timeout_s = read_timeout_s
-    return GuardedHttpTools
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._count(len(name) + len(value) + 4):
+            super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        if not self._flooded:  # a flooded request never reaches the app
+            super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._flooded:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if not self._flooded:
+            super().on_message_complete()
+            self._request_complete()
+
+    def _too_large(self) -> None:
+        self._flooded = True
+        if self.transport.is_closing():
+            return
+        self.logger.info(
+            "closing a connection whose request head is over %d B", self.max_head_bytes
+        )
+        body = b"request header fields too large"
+        self.transport.write(
+            b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+            b"content-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        self.transport.close()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._response_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
+def guarded_httptools(read_timeout_s: float, max_head_bytes: int) -> type[HttpToolsProtocol]:
+    """``GuardedHttpTools`` with these bounds."""
+    bounds = {"read_timeout_s": read_timeout_s, "max_head_bytes": max_head_bytes}
+    return type("GuardedHttpTools", (GuardedHttpTools,), bounds)

@@ -20,13 +20,13 @@ from redis.exceptions import ResponseError
 
 from service.settings import Settings
 from service.store import replies, scripts
-from service.store.keys import EVENT_FIELD, Keys
+from service.store.keys import Keys
+from service.store.log_reads import LogReader
 from service.store.pool import STORE_ERRORS
 from service.stream import endings
 from service.stream import events as ev
 from service.stream.endings import Ending, Failure, Recovery
 from service.stream.ids import EventId
-from service.stream.lifecycle import Meta
 
 
 async def free_slots(redis: Redis, ended: Sequence[tuple[str, str]]) -> None:
@@ -66,13 +66,6 @@ class RequestExists(LogError):
     """A log with this request id already exists."""
 
 
-_decode_id = EventId.from_redis
-
-
-def _entries(raw: Sequence[tuple[bytes, dict[bytes, bytes]]]) -> list[tuple[EventId, ev.Event]]:
-    return [(_decode_id(entry_id), ev.decode(fields[EVENT_FIELD])) for entry_id, fields in raw]
-
-
 def _map_error(exc: ResponseError) -> LogError | ResponseError:
     text = str(exc)
     if text.startswith("FENCED"):
@@ -86,15 +79,6 @@ def _map_error(exc: ResponseError) -> LogError | ResponseError:
     if text.startswith("EXISTS"):
         return RequestExists(text)
     return exc
-
-
-@dataclasses.dataclass(slots=True)
-class RequestMeta:
-    state: str
-    epoch: int
-    owner: str | None
-    last_event_id: str | None
-    recovery: Recovery = dataclasses.field(default_factory=lambda: Recovery())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -114,10 +98,11 @@ class Retention:
         return self.hot_ttl_s
 
 
-class RedisLog:
+class RedisLog(LogReader):
+    """A request's log: every write (reads: ``LogReader``)."""
+
     def __init__(self, redis: Redis, keys: Keys, retention: Retention | None = None) -> None:
-        self.redis = redis
-        self.keys = keys
+        super().__init__(redis, keys)
         self.retention = retention or Retention()
         self._create = scripts.register(redis, "create")
         self._claim = scripts.register(redis, "claim")
@@ -157,7 +142,7 @@ class RedisLog:
             raw = await self._create(keys=keys, args=args)
         except ResponseError as exc:
             raise _map_error(exc) from None
-        return _decode_id(raw)
+        return EventId.from_redis(raw)
 
     async def claim(
         self, request_id: str, worker_id: str, entry_id: bytes | str = ""
@@ -177,7 +162,7 @@ class RedisLog:
         if len(raw) > 3:
             event = ev.decode(raw[3])
             if isinstance(event, ev.Created):
-                first = (_decode_id(raw[2]), event)
+                first = (EventId.from_redis(raw[2]), event)
         return Owner(request_id, epoch, replies.integer(raw[1]), first)
 
     async def resumed(self, owner: Owner, reprefill_tokens: int) -> Recovery:
@@ -277,7 +262,7 @@ class RedisLog:
         for reply in raw:
             status = replies.text(reply[0])
             if status == "OK":
-                out.append([_decode_id(r) for r in reply[1:]])
+                out.append([EventId.from_redis(r) for r in reply[1:]])
             else:
                 error = _map_error(ResponseError(status))
                 out.append(error if isinstance(error, LogError) else LogError(status))
@@ -345,29 +330,6 @@ class RedisLog:
         completion = ev.completion_tokens(e for _, e in entries)
         await self.end(request_id, epoch, endings.failed(request, failure, completion), ack=ack)
 
-    async def meta(self, request_id: str) -> RequestMeta | None:
-        raw = await self.redis.hgetall(self.keys.meta(request_id))
-        if not raw:
-            return None
-        return RequestMeta(
-            state=replies.text(replies.field(raw, Meta.STATE) or b""),
-            epoch=replies.integer(replies.field(raw, Meta.EPOCH)),
-            owner=replies.text_or_none(replies.field(raw, Meta.OWNER)),
-            last_event_id=replies.text_or_none(replies.field(raw, Meta.LAST)),
-            recovery=Recovery(
-                replies.integer(replies.field(raw, Meta.TAKEOVERS) or 0),
-                replies.integer(replies.field(raw, Meta.HANDOVERS) or 0),
-                replies.integer(replies.field(raw, Meta.REPREFILL) or 0),
-            ),
-        )
-
-    async def read(
-        self, request_id: str, after: EventId | None = None, count: int | None = None
-    ) -> list[tuple[EventId, ev.Event]]:
-        start = "-" if after is None else f"({after}"
-        raw: Any = await self.redis.xrange(self.keys.log(request_id), min=start, count=count)
-        return _entries(raw)
-
     async def delete(self, request_id: str) -> None:
         """Remove an ended request's log and control keys (one slot: its hash tag)."""
         k = self.keys
@@ -378,42 +340,6 @@ class RedisLog:
             k.scratch(request_id),
             k.tails(request_id),
         )
-
-    async def read_raw(self, request_id: str) -> list[tuple[EventId, bytes]]:
-        """Every entry's id and payload bytes, as stored (what the archive keeps)."""
-        raw: Any = await self.redis.xrange(self.keys.log(request_id))
-        return [(_decode_id(entry_id), fields[EVENT_FIELD]) for entry_id, fields in raw]
-
-    async def look(
-        self, request_id: str, event_id: EventId | None
-    ) -> tuple[tuple[EventId, ev.Event] | None, bool, tuple[EventId, ev.Event] | None]:
-        """One round trip for a reconnect: (first entry, whether ``event_id`` is an entry
-        of this log, last entry)."""
-        key = self.keys.log(request_id)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xrange(key, count=1)
-        if event_id is not None:
-            pipe.xrange(key, min=str(event_id), max=str(event_id), count=1)
-        pipe.xrevrange(key, count=1)
-        results: Any = await pipe.execute()
-        first, last = _entries(results[0]), _entries(results[-1])
-        found = bool(results[1]) if event_id is not None else False
-        return (first[0] if first else None), found, (last[0] if last else None)
-
-    async def first(self, request_id: str) -> ev.Created | None:
-        found = await self.first_with_id(request_id)
-        return None if found is None else found[1]
-
-    async def first_with_id(self, request_id: str) -> tuple[EventId, ev.Created] | None:
-        entries = await self.read(request_id, count=1)
-        if not entries or not isinstance(entries[0][1], ev.Created):
-            return None
-        return entries[0][0], entries[0][1]
-
-    async def last(self, request_id: str) -> tuple[EventId, ev.Event] | None:
-        raw: Any = await self.redis.xrevrange(self.keys.log(request_id), count=1)
-        entries = _entries(raw)
-        return entries[0] if entries else None
 
 
 @dataclasses.dataclass(slots=True)

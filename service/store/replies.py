@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from service.store.keys import EVENT_FIELD
+
 
 def text(raw: Any) -> str:
     """A reply as text (bytes are UTF-8)."""
@@ -40,3 +42,34 @@ def field(mapping: Mapping[Any, Any], name: str) -> Any:
     """A hash field from ``HGETALL``'s reply, whichever type its keys have."""
     value = mapping.get(name.encode())
     return mapping.get(name) if value is None else value
+
+
+# -- stream replies as Redis sent them (RESP2 lists or RESP3 maps: no dict per entry) --
+
+
+def streams_of(reply: Any) -> list[tuple[Any, list[list[Any]]]]:
+    """An XREAD reply as (stream name, entries) pairs (RESP2 list or RESP3 map)."""
+    if isinstance(reply, dict):
+        return list(reply.items())
+    return list(reply or ())
+
+
+def stream_field(fields: list[bytes] | dict[bytes, bytes], name: bytes) -> bytes | None:
+    if isinstance(fields, dict):
+        return fields.get(name)
+    for i in range(0, len(fields) - 1, 2):
+        if fields[i] == name:
+            return fields[i + 1]
+    return None
+
+
+def raw(response: Any, **_options: Any) -> Any:
+    return response
+
+
+def event_payload(fields: list[bytes] | dict[bytes, bytes]) -> bytes:
+    """The event payload of an entry's field list (RESP2) or map (RESP3)."""
+    value = stream_field(fields, EVENT_FIELD)
+    if value is None:
+        raise KeyError(EVENT_FIELD)
+    return value

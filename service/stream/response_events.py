@@ -30,7 +30,6 @@ event for one is ``response.cancelled``): a cancelled or abandoned request ends 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -39,6 +38,7 @@ import msgspec
 from service.stream.events import Created, Delta, End, Error, Event
 from service.stream.lifecycle import FinishReason, State
 from service.stream.logprobs import Logprob
+from service.stream.response_items import Item, item_id, logprob
 from service.stream.toolscan import ToolFragment
 
 _json = msgspec.json.Encoder()
@@ -88,12 +88,6 @@ class Frame:
         return _json.encode(self.data)
 
 
-def item_id(response_id: str, output_index: int, prefix: str) -> str:
-    """The same id on every rendering of the log: a digest of the response and place."""
-    digest = hashlib.sha256(f"{response_id}/{output_index}".encode()).hexdigest()
-    return f"{prefix}_{digest[:48]}"
-
-
 def ending(end: End) -> tuple[str, str]:
     """The final event's type and the response's status for a terminal event."""
     if end.state == State.FINISHED:
@@ -107,62 +101,6 @@ def ending(end: End) -> tuple[str, str]:
     if end.state in (State.CANCELLED, State.ABANDONED):
         return "response.cancelled", "cancelled"
     raise ValueError(f"an End with the non-terminal state {end.state!r}")
-
-
-def _logprob(lp: Logprob, *, raw: bool) -> dict[str, Any]:
-    """A token's logprob: in deltas and ``.done`` events without bytes, in the
-    response's ``output_text`` part with them (OpenAI's two shapes)."""
-
-    def one(token: str, data: bytes, logprob: float) -> dict[str, Any]:
-        if raw:
-            return {"token": token, "bytes": list(data), "logprob": logprob}
-        return {"token": token, "logprob": logprob}
-
-    top = [one(a.token, a.raw, a.logprob) for a in lp.top]
-    return {**one(lp.token, lp.raw, lp.logprob), "top_logprobs": top}
-
-
-@dataclasses.dataclass(slots=True)
-class _Item:
-    """One output item: a message (its text's pieces) or a function call (its arguments')."""
-
-    id: str
-    index: int  # its output_index
-    call: int | None = None  # the ToolFragment's call index; None: a message
-    call_id: str = ""
-    name: str = ""
-    status: str = "in_progress"
-    pieces: list[str] = dataclasses.field(default_factory=list)
-    logprobs: list[Logprob] = dataclasses.field(default_factory=list)
-
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
-
-    def part(self) -> dict[str, Any]:
-        logprobs = [_logprob(lp, raw=True) for lp in self.logprobs]
-        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": logprobs}
-
-    def render(self, *, added: bool = False) -> dict[str, Any]:
-        """The item as JSON, a new object each time (frames keep what they were given);
-        ``added``: as ``output_item.added`` shows it, before any of its content."""
-        if self.call is None:
-            content = [] if added else [self.part()]
-            return {
-                "id": self.id,
-                "type": "message",
-                "status": self.status,
-                "role": "assistant",
-                "content": content,
-            }
-        return {
-            "id": self.id,
-            "type": "function_call",
-            "status": self.status,
-            "arguments": "" if added else self.text,
-            "call_id": self.call_id,
-            "name": self.name,
-        }
 
 
 class ResponsesRenderer:
@@ -187,8 +125,8 @@ class ResponsesRenderer:
         self._seq = 0
         self._started = False  # the Created was fed
         self._running = not self.background  # response.in_progress was sent
-        self._items: list[_Item] = []
-        self._open: _Item | None = None
+        self._items: list[Item] = []
+        self._open: Item | None = None
         self._logprobs: list[Logprob] = []  # a delta's, waiting for text to carry them
         self._error: Error | None = None
         self._end: End | None = None
@@ -303,7 +241,7 @@ class ResponsesRenderer:
                 output_index=item.index,
                 content_index=0,
                 delta=text,
-                logprobs=[_logprob(lp, raw=False) for lp in logprobs],
+                logprobs=[logprob(lp, raw=False) for lp in logprobs],
             )
         )
         return frames
@@ -347,10 +285,10 @@ class ResponsesRenderer:
         frames.append(self._with_response(final))
         return frames
 
-    def _add(self, call: int | None) -> _Item:
+    def _add(self, call: int | None) -> Item:
         index = len(self._items)
         prefix = "msg" if call is None else "fc"
-        item = _Item(item_id(self.response_id, index, prefix), index, call)
+        item = Item(item_id(self.response_id, index, prefix), index, call)
         self._items.append(item)
         self._open = item
         return item
@@ -361,7 +299,7 @@ class ResponsesRenderer:
             return []
         item.status = status
         if item.call is None:
-            done = [_logprob(lp, raw=False) for lp in item.logprobs]
+            done = [logprob(lp, raw=False) for lp in item.logprobs]
             frames = [
                 self._frame(
                     "response.output_text.done",
@@ -386,11 +324,11 @@ class ResponsesRenderer:
         frames.append(self._item_frame("response.output_item.done", item))
         return frames
 
-    def _item_frame(self, type_: str, item: _Item) -> Frame:
+    def _item_frame(self, type_: str, item: Item) -> Frame:
         added = type_ == "response.output_item.added"
         return self._frame(type_, output_index=item.index, item=item.render(added=added))
 
-    def _part_frame(self, type_: str, item: _Item, part: dict[str, Any]) -> Frame:
+    def _part_frame(self, type_: str, item: Item, part: dict[str, Any]) -> Frame:
         return self._frame(
             type_, item_id=item.id, output_index=item.index, content_index=0, part=part
         )

@@ -30,8 +30,9 @@ from service.store.log import (
     RedisLog,
     RequestExists,
 )
+from service.store.mailbox import Batch
 from service.store.queue import Job, RequestQueue, encode_job
-from service.store.tail import Batch, LogTailer, Subscription
+from service.store.tail import LogTailer, Subscription
 from service.stream import events as ev
 from service.stream.ids import EventId
 from service.stream.params import SamplingParams
@@ -349,9 +350,7 @@ async def test_tailer_multiplexes_many_readers(
         await asyncio.gather(
             *(batcher.append(e, [delta(2 * step + 1), delta(2 * step + 2)]) for r, e in everyone)
         )
-    await asyncio.gather(
-        *(batcher.end(e, finished(e, END)) for r, e in everyone)
-    )
+    await asyncio.gather(*(batcher.end(e, finished(e, END)) for r, e in everyone))
 
     rests = await asyncio.gather(
         *(collect(s, n - len(f)) for (_, s, n), f in zip(subs, firsts, strict=True))

@@ -44,7 +44,8 @@ def choice(model: ModelInfo, index: int = 0, stop: tuple[str, ...] = ()) -> Choi
     return ChoiceRun(asm, index, stop_ids=model.eos_token_ids, ignore_eos=False)
 
 
-def request(recovery: Recovery = Recovery()) -> endings.Request:
+def request(recovery: Recovery | None = None) -> endings.Request:
+    recovery = recovery or Recovery()
     return endings.Request("chatcmpl-x", CREATED, PROMPT, 2_000, recovery, "w1", 1_500, 1_600)
 
 

@@ -11,6 +11,10 @@ And where third-party I/O libraries may be used: Redis only in store/ (elsewhere
 client type and exceptions), SQLAlchemy only in ledger/, vllm only in
 workers/engines/vllm.py, torch and transformers only in the CPU engine and the model
 conversion. The Lua scripts name no state, verdict or meta field themselves.
+
+One home for each thing: only ``service/stream/endings.py`` builds an ``End`` or a
+billing ``Summary``, only the log's terminal write names a terminal state; routes import
+no routes; no module is over 400 lines, no function over 60. ``make lint`` runs this file.
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ def test_only_the_cli_imports_both_the_api_and_the_workers() -> None:
 THIRD_PARTY = {  # library -> the modules that may import it (its client types aside)
     "sqlalchemy": ("service.ledger", "service.cli.embedded.postgres"),
     "vllm": ("workers.engines.vllm",),
-    "torch": ("workers.engines.cpu", "service.cli.model"),
+    "torch": ("workers.engines.cpu", "workers.engines.cpu_sampling", "service.cli.model"),
     "transformers": ("workers.engines.cpu", "service.cli.model"),
 }
 # outside store/, redis-py may be named for its client type and its exceptions only
@@ -151,3 +155,72 @@ def test_the_rules_see_a_violation(tmp_path: Path) -> None:
     found = project_imports("service.store.bad", bad)
     assert found == {"service.api.context", "service.api.context.Context"}
     assert "sqlalchemy" in imports(bad)
+
+
+# -- one home for each thing ------------------------------------------------------------
+
+ROUTES = "service.api.routes"
+ENDINGS = "service.stream.endings"
+TERMINAL_WRITE = "service.store.log"  # RedisLog.terminal: the one terminal append
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+
+def _calls(path: Path) -> Iterator[ast.Call]:
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call):
+            yield node
+
+
+def _called(call: ast.Call) -> str | None:
+    func = call.func
+    if isinstance(func, ast.Name):
+        return func.id
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return None
+
+
+@pytest.mark.parametrize(("module", "path"), list(modules()), ids=lambda x: str(x))
+def test_only_endings_makes_an_ending(module: str, path: Path) -> None:
+    """Every ``End`` and billing ``Summary`` is built by ``service/stream/endings.py``, and
+    only the log's terminal write gives the append script a terminal state."""
+    built = {_called(c) for c in _calls(path)} & {"End", "Summary"}
+    if module != ENDINGS:
+        assert not built, f"{module} builds {sorted(built)}: ask service/stream/endings.py"
+    terminal = [c for c in _calls(path) if any(k.arg == "terminal_state" for k in c.keywords)]
+    if module != TERMINAL_WRITE:
+        assert not terminal, f"{module} writes a terminal state itself: use RedisLog.end"
+
+
+@pytest.mark.parametrize(("module", "path"), list(modules()), ids=lambda x: str(x))
+def test_routes_import_no_routes(module: str, path: Path) -> None:
+    if under(module, ROUTES) and module != ROUTES:
+        found = {n for n in project_imports(module, path) if under(n, ROUTES)}
+        assert not found, f"{module} imports {sorted(found)}: shared code lives in service/api"
+
+
+@pytest.mark.parametrize(("module", "path"), list(modules()), ids=lambda x: str(x))
+def test_modules_and_functions_stay_small(module: str, path: Path) -> None:
+    """A module over 400 lines, or a function over 60, is usually two things."""
+    source = path.read_text()
+    lines = len(source.splitlines())
+    assert lines <= MAX_MODULE_LINES, f"{module} has {lines} lines (at most {MAX_MODULE_LINES})"
+    for node in ast.walk(ast.parse(source, str(path))):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            start = min([d.lineno for d in node.decorator_list] + [node.lineno])
+            length = (node.end_lineno or node.lineno) - start + 1
+            assert length <= MAX_FUNCTION_LINES, f"{module}.{node.name} has {length} lines"
+
+
+def test_the_new_rules_see_a_violation(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "from service.api.routes.system import x\n"
+        "def f():\n"
+        "    ev.End('finished', None, 1, 2)\n"
+        "    log.append(r, 1, [], terminal_state='x')\n"
+    )
+    assert {_called(c) for c in _calls(bad)} >= {"End", "append"}
+    assert any(k.arg == "terminal_state" for c in _calls(bad) for k in c.keywords)
+    assert "service.api.routes.system" in project_imports("service.api.routes.chat", bad)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from service.store.tail import Mailbox
+from service.store.mailbox import Mailbox
 from tests.waiting import eventually
 
 

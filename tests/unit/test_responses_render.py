@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from service.stream.events import Created, Delta, End, Error, Event
 from service.stream.logprobs import Alternative, Logprob
-from service.stream.response_events import Frame, ResponsesRenderer, frames_after, item_id
+from service.stream.response_events import Frame, ResponsesRenderer, frames_after
+from service.stream.response_items import item_id
 from service.stream.toolscan import Piece, ToolFragment
 
 PROPS = settings(max_examples=80, deadline=None)

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from service.stream.detokenize import Detokenizer
+from service.stream.tool_prompts import detect_format, forced_schema, tool_system_prompt
 from service.stream.tools import (
     CALL_END,
     CALL_START,
@@ -26,10 +27,7 @@ from service.stream.tools import (
     ToolFormat,
     ToolFragment,
     ToolParser,
-    detect_format,
-    forced_schema,
     parser_for,
-    tool_system_prompt,
 )
 from service.tokenize import ModelInfo
 from tests.unit.conftest import CHAT_TEMPLATE

@@ -1,0 +1,232 @@
+"""One tail shard: the followers of a set of logs of one partition, over one Redis
+connection (``tail.py``'s ``LogTailer`` makes them)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from redis.asyncio import Redis
+
+from service.store import replies, scripts
+from service.store.keys import LOG_FIELD, Keys
+from service.store.pool import STORE_ERRORS
+from service.stream import events as ev
+from service.stream.ids import EventId
+
+if TYPE_CHECKING:
+    from service.store.tail import Subscription
+
+log = logging.getLogger(__name__)
+
+WAKE_COUNT = 10_000  # wake entries taken in one read
+
+
+class Shard:
+    """The followers of a set of logs of one partition, over one Redis connection.
+
+    Appends notify: a shard registers its wake stream in each followed log's ``tails``
+    set, and every append to the log adds the log's key to the wake streams there. The
+    shard blocks reading its wake stream alone, then reads only the logs named, from its
+    slowest reader's position: a read costs O(logs that changed), not O(logs followed).
+    (With the old one ``XREAD BLOCK`` over every followed log, Redis's cost per read grew
+    with the shard: 109 us per read of 50 logs, the largest command cost per token.)
+
+    A notification can be lost -- a registration Redis lost (a restart, a failover), a
+    wake stream that outran its cap while the shard did not read -- so the shard also
+    reads all its logs every ``sweep_s``, and registers them all again after a store
+    error. A new follower registers first and then reads the log once: what came before
+    the registration is not missed, what comes after is notified."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        reader: Redis,
+        keys: Keys,
+        partition: int,
+        block_ms: int,
+        count: int,
+        sweep_s: float,
+    ) -> None:
+        self._redis = redis
+        self._reader = reader
+        self._keys = keys
+        self._block_ms = block_ms
+        self._count = count
+        self._sweep_s = sweep_s
+        self.partition = partition
+        self._wake_key = keys.wake(partition, uuid.uuid4().hex)
+        self._wake_last = b"0-0"
+        self._wake_pending = False  # a send (registrations, a wake) is to go out
+        self.subs: dict[str, set[Subscription]] = {}
+        self._positions: dict[str, bytes] = {}  # log key -> id to read after (its slowest reader)
+        self._rids: dict[str, str] = {}  # log key -> its request id (the logs registered)
+        self._dirty: set[str] = set()  # logs to read: notified, or followed further back
+        self._register: set[str] = set()  # logs to register this shard's wake stream in
+        self._unregister: dict[str, str] = {}  # log key -> tails set to leave
+        self._reregister = False  # after a store error: every followed log again
+        self._ended: set[str] = set()  # logs read to their end (their tails set is gone)
+        self._swept = time.monotonic()
+        self._follow = scripts.register(redis, "follow")
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="log-tailer")
+        self.reads = 0
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        with contextlib.suppress(*STORE_ERRORS):
+            pipe = self._redis.pipeline(transaction=False)
+            for rid in self._rids.values():
+                pipe.srem(self._keys.tails(rid), self._wake_key)
+            pipe.delete(self._wake_key)
+            await pipe.execute()
+
+    def add(self, key: str, sub: Subscription) -> None:
+        subs = self.subs.setdefault(key, set())
+        subs.add(sub)
+        self._reposition(key)
+        if key in self._rids:  # followed already: read it again from the new position
+            self._dirty.add(key)
+        else:
+            self._rids[key] = sub.request_id
+            self._unregister.pop(key, None)
+            self._register.add(key)
+        self._send_soon()
+
+    def remove(self, key: str, sub: Subscription) -> bool:
+        """Drop ``sub``; False when nobody here follows ``key`` any more."""
+        subs = self.subs.get(key)
+        if subs is not None:
+            subs.discard(sub)
+            if not subs:
+                del self.subs[key]
+        self._reposition(key)
+        if key in self.subs:
+            return True
+        rid = self._rids.pop(key, None)
+        self._register.discard(key)
+        self._dirty.discard(key)
+        if key in self._ended:  # the end's script dropped the tails set: nothing to leave
+            self._ended.discard(key)
+        elif rid is not None:
+            self._unregister[key] = self._keys.tails(rid)
+            self._send_soon()
+        return False
+
+    def _reposition(self, key: str) -> None:
+        subs = self.subs.get(key)
+        if subs:
+            self._positions[key] = str(min(s.position for s in subs)).encode()
+        else:
+            self._positions.pop(key, None)
+
+    def _send_soon(self) -> None:
+        if self._wake_pending:
+            return
+        self._wake_pending = True
+        asyncio.get_running_loop().create_task(self._send())
+
+    async def _send(self) -> None:
+        """Registrations, departures and a wake: one script call (``follow.lua``)."""
+        # cleared before the call goes out: whatever comes from here on sends again
+        self._wake_pending = False
+        register, self._register = self._register, set()
+        leave, self._unregister = self._unregister, {}
+        keys = [self._wake_key]
+        for key in register:
+            rid = self._rids[key]
+            keys += [self._keys.meta(rid), self._keys.tails(rid), key]
+        keys += leave.values()
+        try:
+            await self._follow(keys=keys, args=[len(register)])
+        except STORE_ERRORS as exc:  # the loop's own error handling registers all again
+            log.warning("tail registration failed: %s", exc)
+            self._reregister = True
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                if self._reregister:
+                    self._reregister = False
+                    self._register |= set(self._rids)
+                    self._dirty |= set(self._positions)
+                    await self._send()
+                if time.monotonic() - self._swept >= self._sweep_s:
+                    self._swept = time.monotonic()
+                    self._dirty |= set(self._positions)
+                if self._dirty:
+                    await self._read_changed()
+                    continue
+                sweep_in = self._sweep_s - (time.monotonic() - self._swept)
+                block = max(1, min(self._block_ms, int(sweep_in * 1000) + 1))
+                reply: Any = await self._reader.xread(
+                    {self._wake_key: self._wake_last}, count=WAKE_COUNT, block=block
+                )
+                self.reads += 1
+                backoff = 0.05
+            except STORE_ERRORS as exc:
+                log.warning("log tail read failed (retrying in %.2fs): %s", backoff, exc)
+                self._reregister = True
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            for _key, entries in replies.streams_of(reply):
+                self._woken(entries)
+
+    def _woken(self, entries: list[list[Any]]) -> None:
+        """The wake stream's entries: the logs named are to be read."""
+        if not entries:
+            return
+        self._wake_last = entries[-1][0]
+        for _eid, fields in entries:
+            key = replies.stream_field(fields, LOG_FIELD)
+            if key is not None:
+                name = key.decode()
+                if name in self._positions:
+                    self._dirty.add(name)
+
+    async def _read_changed(self) -> None:
+        keys = [key for key in self._dirty if key in self._positions]
+        self._dirty = set()
+        if not keys:
+            return
+        streams = {key: self._positions[key] for key in keys}
+        names: dict[Any, Any] = streams
+        try:
+            reply: Any = await self._reader.xread(names, count=self._count)
+        except BaseException:
+            self._dirty |= set(keys)  # read them when the store answers again
+            raise
+        self.reads += 1
+        for raw_key, entries in replies.streams_of(reply):
+            key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
+            if len(entries) >= self._count:
+                self._dirty.add(key)  # more than one read's worth: the rest next
+            try:
+                self._dispatch(key, entries, streams[key])
+            except Exception:  # one bad entry must not stop the shard's other readers
+                log.exception("cannot dispatch entries of %s", key)
+
+    def _dispatch(self, key: str, entries: list[list[Any]], read_from: bytes) -> None:
+        """``entries``: ``[[id, [field, value, ...]], ...]`` as Redis sent them."""
+        subs = self.subs.get(key)
+        if not subs:
+            return
+        start = EventId.from_redis(read_from)
+        batch = [
+            (EventId.from_redis(eid), ev.decode(replies.event_payload(fields)))
+            for eid, fields in entries
+        ]
+        if batch and isinstance(batch[-1][1], ev.End):
+            self._ended.add(key)
+        for sub in list(subs):
+            # A reader that subscribed (further back) while this read was in flight would
+            # see a gap; it gets these entries from the next read, which starts at its position.
+            if sub.position >= start:
+                sub.offer(batch)
+        self._reposition(key)
