@@ -16,7 +16,7 @@ from collections.abc import Collection
 
 from service.stream import endings
 from service.stream.assemble import Assembler, StepResult
-from service.stream.endings import ChoiceEnd, Failure, HandOver, Stopped
+from service.stream.endings import ChoiceEnd, Failure, HandOver, Shown, Stopped
 from service.stream.events import Event
 from service.stream.lifecycle import VERDICT_STATE, EngineFinish, State, Verdict
 from workers.engines.base import StepOutput
@@ -126,25 +126,14 @@ class ChoiceRun:
         """Another worker took the request over: stop, end nothing."""
         return Action(abort=True, stop=endings.FENCED_OUT)
 
+    def _shown(self) -> Shown:
+        asm = self.asm
+        return Shown(self.index, asm.stopped, asm.has_calls, self.completion_tokens)
+
     def _finished(self, engine: EngineFinish | None) -> ChoiceEnd:
-        tail = self.asm.flush()
-        return endings.finished(
-            self.index,
-            engine,
-            stopped=self.asm.stopped,
-            calls=self.asm.has_calls,
-            completion_tokens=self.completion_tokens,
-            tail=tail,
-            covered_tokens=self._covered,
-        )
+        tail = self.asm.flush()  # (first: the held text may complete a stop string)
+        return endings.finished(self._shown(), engine, tail=tail, covered_tokens=self._covered)
 
     def _aborted(self, decided: State) -> ChoiceEnd:
         covered = self.asm.completion_tokens if self._covered is None else self._covered
-        return endings.aborted(
-            self.index,
-            decided,
-            stopped=self.asm.stopped,
-            calls=self.asm.has_calls,
-            completion_tokens=self.completion_tokens,
-            covered=covered,
-        )
+        return endings.aborted(self._shown(), decided, covered)

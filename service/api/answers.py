@@ -61,7 +61,7 @@ async def completion(
                 raise intake.foreign_cursor(cursor, rid, param)
             if nothing_after(rid, created, last, cursor):  # it has it all: stop
                 return Response(b"", status_code=204, headers=acc.headers)
-    frames = sse_frames(ctx, rid, created, cursor, acc.lease)
+    frames = sse_frames(ctx, rid, created, cursor, lease=acc.lease)
     return Stream(frames, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **acc.headers})
 
 
@@ -75,7 +75,7 @@ async def response(
     rid, created = acc.request_id, acc.created
     if body.stream:
         after = intake.sequence_cursor(request) if acc.replayed else None
-        frames = response_frames(ctx, rid, created, after, acc.lease)
+        frames = response_frames(ctx, rid, created, after, lease=acc.lease)
         return Stream(frames, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **acc.headers})
     if body.background:  # answered at once: it runs with no reader
         renderer = response_renderer(rid, created)

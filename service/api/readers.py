@@ -137,43 +137,18 @@ async def _stream(
         await lease.release()
 
 
-async def _leased(ctx: Context, rid: str, sub: Subscription, lease: Lease | None) -> Lease:
-    """The reader's lease: the one its POST took, or a new one (a reconnecting reader)."""
-    if lease is not None:
-        return lease
-    try:
-        return await ctx.presence.acquire(rid)
-    except BaseException:
-        sub.close()
-        raise
-
-
 async def sse_frames(
     ctx: Context,
     rid: str,
     created: Created,
     cursor: Cursor | None = None,
+    *,
     lease: Lease | None = None,
 ) -> AsyncIterator[bytes]:
-    """The request's log as SSE chunks, from ``cursor`` on, until its terminal event; the
-    reader holds a presence lease while it is connected (``lease``: its POST's)."""
-    # subscribe first: the tailer starts reading while the lease is written
-    sub = ctx.tailer.subscribe(rid, _before(cursor), keepalive=True, interruptible=True)
-    if lease is None:  # a (re)connecting reader: read what the log holds meanwhile, rather
-        # than wait for the tailer's wake and next read (the resume latency a client feels)
-        reading = asyncio.ensure_future(ctx.log.read(rid, _before(cursor)))
-        try:
-            lease = await _leased(ctx, rid, sub, None)
-        except BaseException:
-            reading.cancel()
-            raise
-        try:
-            sub.offer(await reading)
-        except BaseException:
-            sub.close()
-            await lease.release()
-            raise
-    async for out in _stream(ctx, sub, lease, _Chunks(rid, created, cursor)):
+    """The request's log as SSE chunks, from ``cursor`` on, until its terminal event
+    (``lease``: the reader's, taken with its POST)."""
+    render = _Chunks(rid, created, cursor)
+    async for out in _follow(ctx, rid, _before(cursor), render, lease=lease):
         yield out
 
 
@@ -182,17 +157,48 @@ async def response_frames(
     rid: str,
     created: Created,
     after: int | None = None,
+    *,
     lease: Lease | None = None,
     logged: Batch | None = None,
 ) -> AsyncIterator[bytes]:
-    """The response's events after sequence number ``after``, until its end; ``logged``:
-    its log as the caller just read it (from the first entry), so that the tail goes on
-    from there instead of reading it again."""
-    sub = ctx.tailer.subscribe(rid, None, keepalive=True, interruptible=True)
+    """The response's events after sequence number ``after``, until its end. Its log is
+    read from the first entry (the renderer counts from there); ``logged``: the log as the
+    caller just read it, so that the tail goes on from there instead of reading it again."""
+    render = _ResponseEvents(rid, created, after)
+    async for out in _follow(ctx, rid, None, render, lease=lease, logged=logged):
+        yield out
+
+
+async def _follow(
+    ctx: Context,
+    rid: str,
+    start: EventId | None,
+    render: _Chunks | _ResponseEvents,
+    *,
+    lease: Lease | None = None,
+    logged: Batch | None = None,
+) -> AsyncIterator[bytes]:
+    """Follow the log after ``start``, holding a presence lease while connected."""
+    # subscribe first: the tailer starts reading while the lease is written
+    sub = ctx.tailer.subscribe(rid, start, keepalive=True, interruptible=True)
     if logged:
         sub.offer(logged)
-    lease = await _leased(ctx, rid, sub, lease)
-    async for out in _stream(ctx, sub, lease, _ResponseEvents(rid, created, after)):
+    if lease is None:  # a (re)connecting reader: unless the caller read it, read what the
+        # log holds while the lease is written, rather than wait for the tailer's wake and
+        # next read (the resume latency a client feels)
+        reading = None if logged else asyncio.ensure_future(ctx.log.read(rid, start))
+        try:
+            lease = await ctx.presence.acquire(rid)
+            if reading is not None:
+                sub.offer(await reading)
+        except BaseException:
+            if reading is not None:
+                reading.cancel()
+            sub.close()
+            if lease is not None:
+                await lease.release()
+            raise
+    async for out in _stream(ctx, sub, lease, render):
         yield out
 
 

@@ -147,12 +147,10 @@ class CompletionRequest(_Sampling, kw_only=True):
 # /v1/responses (OpenAI's Responses API; ``response_input.py`` turns it into a chat request)
 
 
-class FunctionTool(_Strict, kw_only=True):
+class FunctionTool(FunctionDef, kw_only=True):
+    """A Responses tool: chat's function, flat, with its ``type``."""
+
     type: Literal["function"]
-    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class NamedTool(_Strict, kw_only=True):

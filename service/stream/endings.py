@@ -106,39 +106,43 @@ Stopped = ChoiceEnd | HandOver | FencedOut  # how a choice's run came to a stop
 _ENGINE_REASON = {EngineFinish.STOP: FinishReason.STOP, EngineFinish.LENGTH: FinishReason.LENGTH}
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Shown:
+    """What one choice came to when it stopped: whether a stop string or the calls asked
+    for ended it (``stopped``), whether it made tool calls, the tokens it consumed."""
+
+    index: int
+    stopped: bool
+    calls: bool
+    completion_tokens: int
+
+
 def finished(
-    index: int,
+    shown: Shown,
     engine: EngineFinish | None,
     *,
-    stopped: bool,
-    calls: bool,
-    completion_tokens: int,
     tail: Sequence[Event] = (),
     covered_tokens: int | None = None,
 ) -> ChoiceEnd:
     """The choice ran to its end: the engine's reason (``None``: it said none), "stop"
-    where a stop string completed or the calls asked for are complete (``stopped``), and
-    "tool_calls" for a choice that made calls (``calls``) and stopped."""
+    where a stop string completed or the calls asked for are complete, and "tool_calls"
+    for a choice that made calls and stopped."""
     assert engine != EngineFinish.ABORT, "an engine's own abort is a failure"
-    reason = FinishReason.STOP if stopped else _ENGINE_REASON.get(engine) if engine else None
-    if reason == FinishReason.STOP and calls:
+    reason = FinishReason.STOP if shown.stopped else _ENGINE_REASON.get(engine) if engine else None
+    if reason == FinishReason.STOP and shown.calls:
         reason = FinishReason.TOOL_CALLS
-    return ChoiceEnd(index, State.FINISHED, reason, completion_tokens, tuple(tail), covered_tokens)
+    return ChoiceEnd(
+        shown.index, State.FINISHED, reason, shown.completion_tokens, tuple(tail), covered_tokens
+    )
 
 
-def aborted(
-    index: int, decided: State, *, stopped: bool, calls: bool, completion_tokens: int, covered: int
-) -> ChoiceEnd:
+def aborted(shown: Shown, decided: State, covered: int) -> ChoiceEnd:
     """A cancel or an abandon (``decided``) stopped the choice, ``covered`` tokens in --
     unless a stop string had ended it first (then it finished "stop")."""
-    if stopped:
-        return finished(
-            index, None, stopped=True, calls=calls, completion_tokens=completion_tokens,
-            covered_tokens=covered,
-        )  # fmt: skip
-    return ChoiceEnd(
-        index, decided, ABORT_REASON[decided], completion_tokens, covered_tokens=covered
-    )
+    if shown.stopped:
+        return finished(shown, None, covered_tokens=covered)
+    reason = ABORT_REASON[decided]
+    return ChoiceEnd(shown.index, decided, reason, shown.completion_tokens, covered_tokens=covered)
 
 
 def failed_choice(index: int, failure: Failure, completion_tokens: int) -> ChoiceEnd:
@@ -212,10 +216,11 @@ def ran(
             c.completion_tokens if c.covered_tokens is None else c.covered_tokens for c in ends
         )
     reasons = [c.finish_reason for c in ends]
+    state = _state(ends)
     return _ending(
         request,
-        _state(ends),
-        reasons[0],
+        state,
+        ABORT_REASON.get(state, reasons[0]),
         total,
         tail=[e for c in ends for e in c.tail],
         wasted=wasted_tokens(total, covered, delivered),
@@ -259,8 +264,13 @@ def wasted_tokens(completion: int, covered: int | None, delivered: int | None) -
 
 
 def _state(ends: Sequence[ChoiceEnd]) -> State:
+    """The request's state: its choices', or -- some finished before a cancel or an
+    abandon stopped the others -- that decision's (each choice keeps its own reason)."""
     states = {c.state for c in ends}
-    return next(iter(states)) if len(states) == 1 else State.FINISHED
+    decided = states & ABORT_REASON.keys()
+    if len(states) > 1:
+        return next(iter(decided)) if decided else State.FINISHED
+    return next(iter(states))
 
 
 def _ending(

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from httpx_sse import EventSource
+from httpx_sse import EventSource, ServerSentEvent
 
 from tests.e2e.conftest import Stack, running
 from tests.e2e.helpers import LONG, assert_ids_increase, chat_body, content_of, read_all
@@ -34,27 +35,36 @@ def stack(
         yield st
 
 
-def test_sigterm_tells_streams_to_reconnect_and_they_resume_elsewhere(stack: Stack) -> None:
-    doomed, survivor = stack.api_urls
-    api_proc = stack.procs[1]  # procs: worker, first API, second API
-    doomed_log = f"api-{doomed.rsplit(':', 1)[1]}"
-    body = chat_body(stack.model, LONG, stream=True)
-    seen = []
+def read_until_drained(
+    url: str, body: dict[str, object], proc: subprocess.Popen[bytes], after: int
+) -> tuple[str, list[ServerSentEvent], int | None, float]:
+    """POST ``body`` to ``url`` as a stream, SIGTERM the API ``proc`` after ``after``
+    events, read on until the stream closes: (request id, the events with data, the
+    reconnect hint, when the SIGTERM was sent)."""
+    seen: list[ServerSentEvent] = []
     retry = None
-    with (
-        httpx.Client(timeout=30) as client,
-        client.stream("POST", doomed + "/v1/chat/completions", json=body) as r,
-    ):
+    sent_at = 0.0
+    with httpx.Client(timeout=30) as client, client.stream("POST", url, json=body) as r:
         rid = r.headers["x-request-id"]
         for event in EventSource(r).iter_sse():
             if event.retry is not None:
                 retry = event.retry
             if event.data:
                 seen.append(event)
-            if len(seen) == 5:
+            if len(seen) == after and not sent_at:
                 sent_at = time.monotonic()
-                api_proc.send_signal(signal.SIGTERM)
-        ended_at = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+    return rid, seen, retry, sent_at
+
+
+def test_sigterm_tells_streams_to_reconnect_and_they_resume_elsewhere(stack: Stack) -> None:
+    doomed, survivor = stack.api_urls
+    api_proc = stack.procs[1]  # procs: worker, first API, second API
+    doomed_log = f"api-{doomed.rsplit(':', 1)[1]}"
+    body = chat_body(stack.model, LONG, stream=True)
+    url = doomed + "/v1/chat/completions"
+    rid, seen, retry, sent_at = read_until_drained(url, body, api_proc, 5)
+    ended_at = time.monotonic()
     assert retry == 250  # the reconnect hint arrived, then the stream closed
     assert seen[-1].data != "[DONE]"  # truncated, not finished: the client resumes it
     api_proc.wait(timeout=120)  # a safety net: it exits by itself
@@ -85,20 +95,7 @@ def test_sigterm_tells_responses_streams_to_reconnect_too(stack: Stack) -> None:
     api_proc = stack.procs[-1]
     survivor = stack.api_urls[1]  # (the first test's doomed process is api_urls[0])
     body = {"model": stack.model, "input": LONG, "stream": True}
-    seen = []
-    retry = None
-    with (
-        httpx.Client(timeout=30) as client,
-        client.stream("POST", doomed + "/v1/responses", json=body) as r,
-    ):
-        rid = r.headers["x-request-id"]
-        for event in EventSource(r).iter_sse():
-            if event.retry is not None:
-                retry = event.retry
-            if event.data:
-                seen.append(event)
-            if len(seen) == 6:
-                api_proc.send_signal(signal.SIGTERM)
+    rid, seen, retry, _ = read_until_drained(doomed + "/v1/responses", body, api_proc, 6)
     assert retry == 250  # the reconnect hint arrived, then the stream closed
     assert seen[-1].event != "response.completed"  # cut short: the client resumes it
     api_proc.wait(timeout=120)

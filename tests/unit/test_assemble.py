@@ -37,14 +37,8 @@ def finish(asm: Assembler, engine: EngineFinish) -> list[Event]:
     """The engine finished the choice: the held text, then the choice's ``End`` (as the
     worker ends it: ``endings.finished``, then the request's ending of that one choice)."""
     tail = asm.flush()
-    choice = endings.finished(
-        0,
-        engine,
-        stopped=asm.stopped,
-        calls=asm.has_calls,
-        completion_tokens=asm.completion_tokens,
-        tail=tail,
-    )
+    shown = endings.Shown(0, asm.stopped, asm.has_calls, asm.completion_tokens)
+    choice = endings.finished(shown, engine, tail=tail)
     request = endings.Request("chatcmpl-test", None, asm.prompt_tokens, 0)
     ending = endings.ran(request, [choice])
     assert isinstance(ending, endings.Ending)

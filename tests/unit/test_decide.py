@@ -137,10 +137,23 @@ def test_choices_merge_and_the_real_error_wins(tiny_model: ModelInfo) -> None:
     ending = endings.ran(request(), [broken, real])
     assert isinstance(ending, Ending) and ending.summary.error_code == "engine_error"
     assert ending.end.completion_tokens == 5
-    done = endings.finished(0, EngineFinish.LENGTH, stopped=False, calls=False, completion_tokens=4)
+    done = endings.finished(endings.Shown(0, False, False, 4), EngineFinish.LENGTH)
     handed = endings.ran(request(), [done, HandOver()])
     assert isinstance(handed, HandOver)
     assert isinstance(endings.ran(request(), [done, endings.FENCED_OUT]), FencedOut)
+
+
+def test_a_cancel_that_stopped_some_choices_cancels_the_request() -> None:
+    """One choice finished before the cancel, the other was cut by it: the request is
+    cancelled (what the client asked for, and what is billed); each choice keeps its own
+    finish reason. (Found by the property below: it was ``finished`` with the finish
+    reason ``cancelled``.)"""
+    done = endings.finished(endings.Shown(0, False, False, 4), EngineFinish.STOP)
+    cut = endings.aborted(endings.Shown(1, False, False, 3), State.CANCELLED, 2)
+    ending = endings.ran(request(), [done, cut])
+    assert isinstance(ending, Ending)
+    assert (ending.state, ending.end.finish_reason) == (State.CANCELLED, FinishReason.CANCELLED)
+    assert ending.end.finish_reasons == [FinishReason.STOP, FinishReason.CANCELLED]
 
 
 # -- any sequence ----------------------------------------------------------------------
