@@ -74,11 +74,6 @@ class Runner:
         self._stopping = asyncio.Event()
         self._serving: dict[tuple[int, bytes], asyncio.Task[None]] = {}  # entry -> its task
 
-    @property
-    def handed_over(self) -> int:
-        """Requests this worker handed over when it stopped."""
-        return self.serve.handed_over
-
     def stop(self) -> None:
         self._stopping.set()
 

@@ -79,7 +79,6 @@ class Serve:
         # queue entries, as (partition, entry id): two partitions' queues make the same ids
         self._served: collections.OrderedDict[tuple[int, bytes], None] = collections.OrderedDict()
         self.mean_service_ms = 0.0  # moving average of claim-to-end time
-        self.handed_over = 0  # requests this worker handed over when it stopped
 
     async def __call__(self, entry_id: bytes, job: Job, prior: list[asyncio.Task[None]]) -> None:
         rid = job.request_id
@@ -216,7 +215,6 @@ class Serve:
             log.exception("request %s: could not hand it over", job.request_id)
             return
         if done.entry_id is not None:
-            self.handed_over += 1
             HANDED_OVER.inc()
             log.info("request %s: handed over to another worker", job.request_id)
 

@@ -29,6 +29,7 @@ from service.api.contract import (
     chat_prompt,
     check_engine,
     check_max_tokens,
+    check_refused,
     check_stop,
     completion_output,
 )
@@ -38,7 +39,6 @@ from service.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     ResponsesRequest,
-    refused_field,
 )
 from service.errors import Forbidden, InvalidRequest
 from service.stream.events import Kind
@@ -192,11 +192,7 @@ def check_model(ctx: Context, name: str | None, principal: Principal) -> None:
 
 def _checked(ctx: Context, body: ChatCompletionRequest | CompletionRequest, p: Principal) -> None:
     check_model(ctx, body.model, p)
-    name = refused_field(body)
-    if name is not None:
-        raise InvalidRequest(
-            f"'{name}' is not supported by this server", param=name, code="unsupported_parameter"
-        )
+    check_refused(body)
 
 
 def chat(ctx: Context, body: ChatCompletionRequest, principal: Principal) -> Submission:
