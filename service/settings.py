@@ -78,8 +78,13 @@ class Settings:
     keepalive_s: float = 15.0  # `: ping` comment after this long without an event
     coalesce_backlog: int = 4  # a reader this many batches behind gets deltas merged
 
-    # presence, abandonment, cancel
-    resume_grace_s: float = 30.0  # abort a request whose last reader left this long ago
+    # presence, parking, abandonment, cancel
+    # a request whose last reader left may be resumed this long (its resume window; per
+    # request: stream_options.resume_grace_s); None: as long as a finished log stays hot
+    resume_window_s: float | None = None
+    # no reader this long (and a window longer than it): the request leaves the engine,
+    # parked, and goes on when a reader comes back (-1: never park)
+    park_after_s: float = 1.5
     # how the model writes tool calls: auto (from its chat template) | hermes | llama3_json
     tool_parser: str = "auto"
     max_resume_grace_s: float = 3600.0  # the largest per-request grace a client may ask for
@@ -131,12 +136,24 @@ class Settings:
     scripted_prefill_s: float = 0.0  # a prefill this long before the first token
 
     @property
+    def resume_window(self) -> float:
+        return self.hot_log_ttl_s if self.resume_window_s is None else self.resume_window_s
+
+    @property
     def resolved_model_dir(self) -> Path:
         return self.model_dir or self.data_dir / "models" / self.model_name
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         env = os.environ if env is None else env
+        env = {
+            **{
+                PREFIX + new: env[PREFIX + old]
+                for old, new in ALIASES.items()
+                if PREFIX + old in env
+            },
+            **env,
+        }
         values: dict[str, Any] = {}
         for field in dataclasses.fields(cls):
             raw = env.get(PREFIX + field.name.upper())
@@ -155,6 +172,10 @@ class Settings:
                 continue
             out[PREFIX + field.name.upper()] = str(value)
         return out
+
+
+# former names, still read (the new name wins when both are set)
+ALIASES = {"RESUME_GRACE_S": "RESUME_WINDOW_S"}
 
 
 def _convert(type_name: Any, raw: str, name: str) -> Any:

@@ -12,12 +12,12 @@ and it is why the real per-step decision is unit-tested without an engine
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 from service.stream import endings
 from service.stream.assemble import Assembler, StepResult
 from service.stream.endings import ChoiceEnd, Failure, HandOver, Shown, Stopped
-from service.stream.events import Event
+from service.stream.events import Delta, Event
 from service.stream.lifecycle import VERDICT_STATE, EngineFinish, State, Verdict
 from workers.engines.base import StepOutput
 
@@ -77,6 +77,7 @@ class ChoiceRun:
         self._ignore_eos = ignore_eos
         self._covered: int | None = None  # tokens made before an abort decision
         self._after = 0  # tokens the engine made after it (counted, never shown)
+        self._logged = asm.completion_tokens  # tokens carried by deltas for the log
 
     @property
     def completion_tokens(self) -> int:
@@ -88,6 +89,7 @@ class ChoiceRun:
         logged its last token, not its end)."""
         made = self.asm.token_ids
         last_is_stop = bool(made) and made[-1] in self._stop_ids and not self._ignore_eos
+        self._note(now.events)
         if now.stopped or last_is_stop:
             return Action(now.events, stop=self._finished(EngineFinish.STOP))
         return Action(now.events)
@@ -101,6 +103,7 @@ class ChoiceRun:
             self._after += len(out.token_ids)
             return Action(stop=self._aborted(signals.decided) if out.finished else None)
         step = self.asm.step(out.token_ids, out.logprobs)
+        self._note(step.events)
         if step.stopped:  # a stop string completed: free the engine now
             return Action(step.events, abort=True, stop=self._finished(None))
         if not out.finished:
@@ -126,9 +129,12 @@ class ChoiceRun:
         """Another worker took the request over: stop, end nothing."""
         return Action(abort=True, stop=endings.FENCED_OUT)
 
+    def _note(self, events: Sequence[Event]) -> None:
+        self._logged += sum(len(e.token_ids) for e in events if isinstance(e, Delta))
+
     def _shown(self) -> Shown:
         asm = self.asm
-        return Shown(self.index, asm.stopped, asm.has_calls, self.completion_tokens)
+        return Shown(self.index, asm.stopped, asm.has_calls, self.completion_tokens, self._logged)
 
     def _finished(self, engine: EngineFinish | None) -> ChoiceEnd:
         tail = self.asm.flush()  # (first: the held text may complete a stop string)

@@ -37,6 +37,16 @@ CONTINUED = Counter(
     "lastevent_continued_total",
     "Requests this worker continued after another worker (a takeover or a handover)",
 )
+PARKS = Counter(
+    "lastevent_parks_total",
+    "Requests this worker took out of the engine, no reader being left (parked; a reader "
+    "that comes back makes them go on)",
+)
+PARK_RESUME = Histogram(
+    "lastevent_park_resume_seconds",
+    "A reader's return to a parked request -> the first token of its continuation",
+    buckets=_WAIT,
+)
 HANDED_OVER = Counter(
     "lastevent_handed_over_total",
     "Requests this worker handed over to another when it stopped",

@@ -3,7 +3,8 @@
 Three ways a decision reaches the runner: a periodic check of every running request
 (one pipelined round trip, every ``presence_check_s``), a message on the worker's
 control channel (a cancel, or "the last reader just left"), and a timer set for the
-moment a reader-less request's grace period runs out. ``check.lua`` answers; the
+moment a reader-less request is to be parked (or abandoned, when its resume window is
+no longer than the park delay). ``check.lua`` answers; the
 pure ``decide.plan`` says what the answer asks for; ``Runner.decide`` acts.
 """
 
@@ -28,6 +29,7 @@ class PresenceWatch:
         worker_id: str,
         *,
         check_s: float,
+        park_after_s: float = -1,
         undecided: Callable[[], Collection[str]],
         decide: Callable[[str, State], None],
     ) -> None:
@@ -35,6 +37,7 @@ class PresenceWatch:
         self.control = control
         self.worker_id = worker_id
         self.check_s = check_s
+        self.park_after_ms = -1 if park_after_s < 0 else int(park_after_s * 1000)
         self._undecided = undecided
         self._decide = decide
         self._timers: dict[str, asyncio.TimerHandle] = {}  # grace periods running out
@@ -62,7 +65,7 @@ class PresenceWatch:
 
     async def check_one(self, rid: str) -> None:
         try:
-            verdict = (await self.control.check([rid])).get(rid, 0)
+            verdict = (await self.control.check([rid], self.park_after_ms)).get(rid, 0)
         except STORE_ERRORS as exc:
             log.warning("presence check of %s failed: %s", rid, exc)
             return
@@ -80,7 +83,7 @@ class PresenceWatch:
         while True:
             await asyncio.sleep(self.check_s)
             try:
-                verdicts = await self.control.check(list(self._undecided()))
+                verdicts = await self.control.check(list(self._undecided()), self.park_after_ms)
             except STORE_ERRORS as exc:
                 log.warning("presence check failed: %s", exc)
                 continue

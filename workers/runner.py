@@ -57,6 +57,7 @@ class Runner:
             self.control,
             settings.worker_id,
             check_s=settings.presence_check_s,
+            park_after_s=settings.park_after_s,
             undecided=lambda: [r for r, s in self.serve.running.items() if s.decided is None],
             decide=self.decide,
         )
@@ -139,8 +140,8 @@ class Runner:
         self._serving.pop(entry, None)
 
     def decide(self, rid: str, state: State) -> None:
-        """Cancel or abandon: the request's signal, and the engine aborts now; the
-        generation ends it at its next step."""
+        """Cancel, abandon or park: the request's signal, and the engine aborts now; the
+        generation stops it at its next step."""
         signals = self.serve.running.get(rid)
         if signals is None or signals.decided is not None:
             return

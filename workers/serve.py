@@ -18,17 +18,19 @@ import logging
 import time
 from collections.abc import Callable
 
+import msgspec
 from redis.exceptions import RedisError
 
 from service.settings import Settings
 from service.store.batcher import AppendBatcher
 from service.store.control import Control
+from service.store.limits import free_slots
 from service.store.log import AlreadyEnded, Fenced, LogError, LogGap, LogGone, Owner, RedisLog
 from service.store.outbox import Outbox
 from service.store.pool import STORE_ERRORS
 from service.store.queue import Job, RequestQueue, wait_for_takeover
 from service.stream import endings
-from service.stream.endings import Failure, FencedOut, HandOver, Recovery
+from service.stream.endings import Failure, FencedOut, HandOver, Park, Recovery
 from service.stream.events import Delta
 from service.stream.lifecycle import Requeue
 from workers.decide import Signals
@@ -37,6 +39,8 @@ from workers.metrics import (
     ABORTS,
     CONTINUED,
     HANDED_OVER,
+    PARK_RESUME,
+    PARKS,
     PROMPT_TOKENS,
     QUEUE_WAIT,
     REPREFILL_TOKENS,
@@ -128,6 +132,10 @@ class Serve:
             if owner.first is not None:
                 QUEUE_WAIT.observe(max(0, dispatched_ms - owner.first[0].ms) / 1000)
         logged, recovery = await self._continued(job, owner)
+        if recovery.paused_ms and job.deadline_unix_s:  # time parked does not count
+            job = msgspec.structs.replace(
+                job, deadline_unix_s=job.deadline_unix_s + recovery.paused_ms / 1000
+            )
         first_token = FirstToken(dispatched_ms / 1000 if first_run else None)
         self.running[rid] = signals = Signals(handing_over=self.handing_over)
         try:
@@ -145,12 +153,17 @@ class Serve:
             dispatched_ms,
             None if first_token.at is None else int(first_token.at * 1000),
         )
+        if recovery.returned_ms and first_token.at is not None:  # a reader came back to it
+            PARK_RESUME.observe(max(0.0, first_token.at - recovery.returned_ms / 1000))
         delivered = await self._delivered(rid) if endings.wants_delivery(stopped) else None
         ending = endings.ran(request, stopped, delivered=delivered)
         if isinstance(ending, FencedOut):
             raise Fenced(f"request {rid}: owner epoch {owner.epoch} was fenced out")
         if isinstance(ending, HandOver):
             await self._hand_over(entry_id, job, owner, ending)
+            return
+        if isinstance(ending, Park):
+            await self._park(entry_id, job, owner, ending)
             return
         if ending.summary.error_code == endings.DEADLINE:
             ABORTS.labels(reason="deadline").inc()
@@ -217,6 +230,23 @@ class Serve:
         if done.entry_id is not None:
             HANDED_OVER.inc()
             log.info("request %s: handed over to another worker", job.request_id)
+
+    async def _park(self, entry_id: bytes, job: Job, owner: Owner, park: Park) -> None:
+        """No reader is left: out of the engine (done), its log and job kept, its admission
+        slot freed; a reader that comes back makes it go on (``lease.lua``) -- at once if
+        one came back meanwhile (``park.lua``). Raises ``Fenced``."""
+        if park.tail:
+            await self.batcher.append(owner, park.tail, give_up_at=job.deadline_unix_s)
+        parked = await self.log.park(owner, entry_id, park.discarded_tokens)
+        if parked.window_ms is None:
+            log.info("request %s: its reader came back as it was parked; going on", job.request_id)
+            return
+        PARKS.inc()
+        log.info("request %s: parked (no reader left)", job.request_id)
+        if owner.first is not None:  # a parked request holds no slot of its key's
+            created = owner.first[1]
+            slot = self.log.keys.inflight_of(created.tenant, created.api_key_id)
+            await free_slots(self.log.redis, [(slot, job.request_id)])
 
     async def _record_lost(self, job: Job, owner: Owner | None) -> None:
         """Redis lost the request (a restart without persistence): no terminal event can be

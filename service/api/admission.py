@@ -33,6 +33,10 @@ class Admission:
         self._capacity_checked = 0.0
         self._capacity_error: ServiceUnavailable | None = None
 
+    def _slot_expiry_ms(self, now_ms: int) -> int:
+        """An in-flight slot is freed at the end, or at the latest then."""
+        return now_ms + int((self.settings.request_deadline_s + self.settings.hot_log_ttl_s) * 1000)
+
     async def admit(self, principal: str, request_id: str) -> None:
         s = self.settings
         if not s.max_concurrent_per_key and not s.rate_limit_rpm:
@@ -44,7 +48,7 @@ class Admission:
             now_ms=now,
             max_in_flight=s.max_concurrent_per_key,
             per_minute=s.rate_limit_rpm,
-            slot_expiry_ms=now + int((s.request_deadline_s + s.hot_log_ttl_s) * 1000),
+            slot_expiry_ms=self._slot_expiry_ms(now),
         )
         if verdict == Admitted.TOO_MANY_IN_FLIGHT:
             raise RateLimited(
@@ -59,6 +63,13 @@ class Admission:
                 retry_after_s=math.ceil(retry_ms / 1000),
                 code="rate_limit_exceeded",
             )
+
+    async def resumed(self, principal: str, request_id: str) -> None:
+        """A parked request a reader came back to runs again: in flight again (its slot
+        was freed when it was parked), never refused."""
+        if self.settings.max_concurrent_per_key:
+            now = int(time.time() * 1000)
+            await self.limits.hold(principal, request_id, slot_expiry_ms=self._slot_expiry_ms(now))
 
     async def check_capacity(self, open_streams: int) -> None:
         s = self.settings

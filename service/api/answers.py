@@ -16,6 +16,7 @@ from service.api.metrics import REQUESTS
 from service.api.readers import (
     collect,
     nothing_after,
+    reader_lease,
     response_collect,
     response_frames,
     response_renderer,
@@ -95,4 +96,6 @@ async def response(
 
 async def _lease(ctx: Context, acc: Accepted) -> Lease:
     """The reader's lease: the one taken with the request, or a replay's own."""
-    return acc.lease if acc.lease is not None else await ctx.presence.acquire(acc.request_id)
+    if acc.lease is not None:
+        return acc.lease
+    return await reader_lease(ctx, acc.request_id, acc.created)

@@ -1,8 +1,8 @@
-"""Cancelling a request of the caller's, from any API replica, in any phase: still queued,
-it is ended on the spot (its ending from ``endings.cancelled_queued``; no engine sees
-it); running, its owner is told and aborts it at its next engine step; ended, nothing
-changes. ``POST /v1/requests/{id}/cancel``, ``POST /v1/responses/{id}/cancel`` and
-``DELETE /v1/responses/{id}`` all cancel through here."""
+"""Cancelling a request of the caller's, from any API replica, in any phase: still queued
+or parked, it is ended on the spot (its ending from ``endings.py``; no engine sees it
+again); running, its owner is told and aborts it at its next engine step; ended,
+nothing changes. ``POST /v1/requests/{id}/cancel``, ``POST /v1/responses/{id}/cancel``
+and ``DELETE /v1/responses/{id}`` all cancel through here."""
 
 from __future__ import annotations
 
@@ -15,7 +15,12 @@ from service.api.context import Context
 from service.api.request_ids import checked_request_id, no_such_request, owned
 from service.api.status import request_status
 from service.stream import endings
+from service.stream.endings import Ending
+from service.stream.events import Created, completion_tokens
+from service.stream.ids import EventId
 from service.stream.lifecycle import State
+
+STALE = "stale"  # cancel.lua: parked, and its log is not the one the ending was made from
 
 
 async def cancel_request(ctx: Context, principal: Principal, request_id: str) -> dict[str, Any]:
@@ -27,15 +32,36 @@ async def cancel_request(ctx: Context, principal: Principal, request_id: str) ->
     queued = endings.cancelled_queued(
         endings.Request(request_id, first, created.prompt_tokens, now_ms)
     )
-    outcome = await ctx.control.cancel(request_id, queued)
-    if outcome.outcome == "missing":
-        raise no_such_request(request_id)
     deadline = time.monotonic() + ctx.settings.cancel_wait_s
+    outcome = await ctx.control.cancel(request_id, queued)
     while True:
+        if outcome.outcome == "missing":
+            raise no_such_request(request_id)
         found = await request_status(ctx, request_id)
         if found is None:
             raise no_such_request(request_id)
         found.pop("tenant", None)
-        if State(found["state"]).terminal or time.monotonic() >= deadline:
+        state = State(found["state"])
+        if state.terminal or time.monotonic() >= deadline:
             return found
+        if state == State.PARKED or outcome.outcome == STALE:
+            # parked (before the cancel, or while its worker was being told): ended here,
+            # with the ending of the log as it is
+            parked = await _parked(ctx, request_id, first, created)
+            outcome = await ctx.control.cancel(request_id, queued, parked)
+            continue
         await asyncio.sleep(0.02)
+
+
+async def _parked(
+    ctx: Context, rid: str, first: tuple[EventId, Created] | None, created: Created
+) -> tuple[Ending, int] | None:
+    """The ending of the request if it is parked, and the log entries it was made from."""
+    meta = await ctx.log.meta(rid)
+    if meta is None or meta.state != State.PARKED:
+        return None
+    entries = await ctx.log.read(rid)
+    now_ms = int(time.time() * 1000)
+    request = endings.Request(rid, first, created.prompt_tokens, now_ms, meta.recovery)
+    ending = endings.cancelled_parked(request, completion_tokens(e for _, e in entries))
+    return ending, meta.events

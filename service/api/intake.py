@@ -300,7 +300,7 @@ def _submission(
 ) -> Submission:
     settings = ctx.settings
     options = body.stream_options
-    grace = settings.resume_grace_s
+    grace = settings.resume_window
     if options is not None and options.resume_grace_s is not None:
         grace = options.resume_grace_s
         if not math.isfinite(grace) or grace > settings.max_resume_grace_s:

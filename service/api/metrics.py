@@ -21,6 +21,10 @@ REQUEUED = Counter(
     ["reason"],
 )
 RESUMES = Counter("lastevent_resumes_total", "Event-stream reads that started after a cursor")
+RETURNS = Counter(
+    "lastevent_returns_total",
+    "Readers that came back to a parked request (it goes on: queued again for a worker)",
+)
 EVENT_LOOP_LAG = Histogram(
     "lastevent_event_loop_lag_seconds",
     "How late the event loop woke a sleep (every stream of the process waits as long)",

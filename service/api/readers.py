@@ -10,6 +10,7 @@ prefill), "reconnect" when the process drains, an error in band when Redis lost 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -17,9 +18,11 @@ import msgspec
 from litestar import Request
 
 from service.api.context import Context
-from service.api.metrics import READERS
+from service.api.metrics import READERS, RETURNS
 from service.api.response_input import kept
+from service.store.keys import principal as who
 from service.store.mailbox import IDLE, Batch, Interrupted, LogLost
+from service.store.pool import STORE_ERRORS
 from service.store.presence import Lease
 from service.store.tail import Subscription
 from service.stream import endings, sse
@@ -52,6 +55,7 @@ class _Chunks:
     coalesces = True
 
     def __init__(self, rid: str, created: Created, cursor: Cursor | None) -> None:
+        self.request_id = rid
         self._renderer = ChunkRenderer(rid, created)
         self._cursor = cursor
         self.reached: dict[int, int] = {}  # per choice: the completion tokens sent
@@ -78,6 +82,7 @@ class _ResponseEvents:
     coalesces = False
 
     def __init__(self, rid: str, created: Created, after: int | None) -> None:
+        self.request_id = rid
         self._renderer = response_renderer(rid, created)
         self._after = after
         self.reached: dict[int, int] = {}
@@ -148,7 +153,7 @@ async def sse_frames(
     """The request's log as SSE chunks, from ``cursor`` on, until its terminal event
     (``lease``: the reader's, taken with its POST)."""
     render = _Chunks(rid, created, cursor)
-    async for out in _follow(ctx, rid, _before(cursor), render, lease=lease):
+    async for out in _follow(ctx, created, _before(cursor), render, lease=lease):
         yield out
 
 
@@ -165,13 +170,24 @@ async def response_frames(
     read from the first entry (the renderer counts from there); ``logged``: the log as the
     caller just read it, so that the tail goes on from there instead of reading it again."""
     render = _ResponseEvents(rid, created, after)
-    async for out in _follow(ctx, rid, None, render, lease=lease, logged=logged):
+    async for out in _follow(ctx, created, None, render, lease=lease, logged=logged):
         yield out
+
+
+async def reader_lease(ctx: Context, rid: str, created: Created) -> Lease:
+    """A (re)connecting reader's lease. One that comes back to a parked request makes it go
+    on (``lease.lua`` queues it again); it is in flight again for its key's limit."""
+    lease = await ctx.presence.acquire(rid)
+    if lease.unparked:
+        RETURNS.inc()
+        with contextlib.suppress(*STORE_ERRORS):  # (a slot the end frees again anyway)
+            await ctx.admission.resumed(who(created.tenant, created.api_key_id), rid)
+    return lease
 
 
 async def _follow(
     ctx: Context,
-    rid: str,
+    created: Created,
     start: EventId | None,
     render: _Chunks | _ResponseEvents,
     *,
@@ -179,6 +195,7 @@ async def _follow(
     logged: Batch | None = None,
 ) -> AsyncIterator[bytes]:
     """Follow the log after ``start``, holding a presence lease while connected."""
+    rid = render.request_id
     # subscribe first: the tailer starts reading while the lease is written
     sub = ctx.tailer.subscribe(rid, start, keepalive=True, interruptible=True)
     if logged:
@@ -188,7 +205,7 @@ async def _follow(
         # next read (the resume latency a client feels)
         reading = None if logged else asyncio.ensure_future(ctx.log.read(rid, start))
         try:
-            lease = await ctx.presence.acquire(rid)
+            lease = await reader_lease(ctx, rid, created)
             if reading is not None:
                 sub.offer(await reading)
         except BaseException:

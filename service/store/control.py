@@ -24,7 +24,8 @@ from redis.exceptions import RedisError
 
 from service.store import replies, scripts
 from service.store.keys import Keys
-from service.store.log import Retention, free_slots
+from service.store.limits import free_slots
+from service.store.log import Retention
 from service.store.pool import STORE_ERRORS
 from service.stream import events as ev
 from service.stream.endings import Ending
@@ -64,9 +65,13 @@ class Control:
     def _keys(self, rid: str) -> list[str]:
         return [self.keys.meta(rid), self.keys.readers(rid)]
 
-    async def cancel(self, rid: str, queued: Ending) -> CancelOutcome:
-        """``queued``: the request's ending if it is still queued (``cancel.lua`` writes
-        it, with its outbox entry; its TTL and admission slot from it, as ``RedisLog.end``)."""
+    async def cancel(
+        self, rid: str, queued: Ending, parked: tuple[Ending, int] | None = None
+    ) -> CancelOutcome:
+        """``queued``: the request's ending if it is still queued; ``parked``: its ending
+        if it is parked, and the entries of the log that ending was made from (``stale``
+        when the log has others by now). ``cancel.lua`` writes the one that applies, with
+        its outbox entry; its TTL and admission slot from it, as ``RedisLog.end``."""
         summary = queued.summary
         keys = [
             self.keys.meta(rid),
@@ -74,10 +79,18 @@ class Control:
             self.keys.outbox_of(rid),
             self.keys.scratch(rid),
             self.keys.tails(rid),
+            self.keys.parked_of(rid),
         ]
         [end] = queued.events
         ttl_s = self.retention.ttl_s(summary)
         args: list[Any] = [ev.encode(end), ttl_s, ev.encode_summary(summary)]
+        if parked is None:
+            args += ["", "", 0]
+        else:
+            ending, events = parked
+            [parked_end] = ending.events
+            args += [ev.encode(parked_end), ev.encode_summary(ending.summary), events]
+        args.append(rid)
         parts = replies.texts(await self._cancel(keys=keys, args=args))
         outcome = CancelOutcome(parts[0], parts[1] if len(parts) > 1 else None)
         if outcome.outcome == State.CANCELLED and outcome.detail and summary.tenant is not None:
@@ -87,24 +100,43 @@ class Control:
             await self.redis.publish(self.keys.control(outcome.detail), f"cancel:{rid}")
         return outcome
 
-    async def check(self, rids: Sequence[str]) -> dict[str, int]:
-        """One pipelined round trip: the verdict for each of the owner's requests."""
+    async def check(self, rids: Sequence[str], park_after_ms: int = -1) -> dict[str, int]:
+        """One pipelined round trip: the verdict for each of the owner's requests
+        (``park_after_ms``: no reader this long parks a request; -1: never)."""
         if not rids:
             return {}
         now = now_ms()
         results = await scripts.run_pipelined(
-            self.redis, self._check, [(self._keys(r), [now]) for r in rids]
+            self.redis, self._check, [(self._keys(r), [now, park_after_ms]) for r in rids]
         )
         return {r: replies.integer(x) for r, x in zip(rids, results, strict=True)}
 
-    async def lease(self, leases: Sequence[tuple[str, str, int]], expiry_ms: int) -> None:
+    async def lease(self, leases: Sequence[tuple[str, str, int]], expiry_ms: int) -> list[int]:
         """Write (or refresh) leases -- (request id, reader token, tokens delivered) --
-        in one pipelined round trip."""
+        in one pipelined round trip. Each answers 0 (the request ended or is gone), 1, or
+        2: the request was parked, and goes on now (``lease.lua``)."""
+        now = now_ms()
+        keep_ms = self.retention.running_ttl_s * 1000
+        wait_ms = self.retention.worker_wait_s * 1000
         calls = [
-            (self._keys(rid), [token, expiry_ms, delivered]) for rid, token, delivered in leases
+            (
+                [
+                    *self._keys(rid),
+                    self.keys.queue_of(rid),
+                    self.keys.parked_of(rid),
+                    self.keys.log(rid),
+                    self.keys.tails(rid),
+                    self.keys.orphans_of(rid),
+                ],
+                [token, expiry_ms, delivered, now, rid, keep_ms, wait_ms],
+            )
+            for rid, token, delivered in leases
         ]
-        if calls:
-            await scripts.run_pipelined(self.redis, self._lease, calls)
+        if not calls:
+            return []
+        return [
+            replies.integer(r) for r in await scripts.run_pipelined(self.redis, self._lease, calls)
+        ]
 
     async def leave(self, rid: str, token: str, delivered: int) -> int:
         """Drop a lease; returns how many live leases are left. When none is, the owner

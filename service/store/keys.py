@@ -105,6 +105,14 @@ class Keys:
     def orphans_of(self, request_id: str) -> str:
         return self.orphans(self.partition(request_id))
 
+    def parked(self, partition: int) -> str:
+        """Parked requests of the partition (sorted set: request id -> when its resume
+        window is over, ms): the sweeper ends them abandoned then."""
+        return f"{self._p(partition)}:parked"
+
+    def parked_of(self, request_id: str) -> str:
+        return self.parked(self.partition(request_id))
+
     def outbox(self, partition: int) -> str:
         """A partition's terminal summaries, appended atomically with each terminal event
         (a stream; consumer group ``recorders``)."""

@@ -3,12 +3,29 @@
 from __future__ import annotations
 
 import enum
+import logging
+from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio import Redis
 
 from service.store import replies, scripts
 from service.store.keys import Keys
+from service.store.pool import STORE_ERRORS
+
+log = logging.getLogger(__name__)
+
+
+async def free_slots(redis: Redis, ended: Sequence[tuple[str, str]]) -> None:
+    """Free ended requests' admission slots -- (in-flight set, request id) -- in one
+    pipelined round trip. (Idempotent: the recorder frees them again.)"""
+    pipe = redis.pipeline(transaction=False)
+    for inflight_key, rid in ended:
+        pipe.zrem(inflight_key, rid)
+    try:
+        await pipe.execute()
+    except STORE_ERRORS as exc:  # the ends are written: the recorder frees them
+        log.warning("cannot free admission slots: %s", exc)
 
 
 class Admitted(enum.IntEnum):
@@ -42,3 +59,8 @@ class Limits:
         args: list[Any] = [now_ms, max_in_flight, per_minute, request_id, slot_expiry_ms]
         verdict, *rest = await self._admit(keys=keys, args=args)
         return Admitted(replies.integer(verdict)), replies.integer(rest[0] if rest else 0)
+
+    async def hold(self, who: str, request_id: str, *, slot_expiry_ms: int) -> None:
+        """Count a request that goes on again (a reader came back to it parked) in flight,
+        without a check: it was admitted once, and is never refused now."""
+        await self.redis.zadd(self.keys.inflight(who), {request_id: slot_expiry_ms})

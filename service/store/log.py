@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,24 +20,12 @@ from redis.exceptions import ResponseError
 from service.settings import Settings
 from service.store import replies, scripts
 from service.store.keys import Keys
-from service.store.log_reads import LogReader
-from service.store.pool import STORE_ERRORS
+from service.store.limits import free_slots
+from service.store.log_reads import LogReader, created_of
 from service.stream import endings
 from service.stream import events as ev
 from service.stream.endings import Ending, Failure, Recovery
 from service.stream.ids import EventId
-
-
-async def free_slots(redis: Redis, ended: Sequence[tuple[str, str]]) -> None:
-    """Free ended requests' admission slots -- (in-flight set, request id) -- in one
-    pipelined round trip. (Idempotent: the recorder frees them again.)"""
-    pipe = redis.pipeline(transaction=False)
-    for inflight_key, rid in ended:
-        pipe.zrem(inflight_key, rid)
-    try:
-        await pipe.execute()
-    except STORE_ERRORS as exc:  # the ends are written: the recorder frees them
-        logging.getLogger(__name__).warning("cannot free admission slots: %s", exc)
 
 
 class LogError(Exception):
@@ -87,10 +74,18 @@ class Retention:
 
     hot_ttl_s: int = 3600
     unstored_ttl_s: int = 30  # ``store: false``: briefly (not archived either)
+    # a request's keys outlive its last start (create, a continuation) this long at least:
+    # its deadline (twice: a continuation's), then the finished log's hot TTL
+    running_ttl_s: int = 3600 + 2 * 600
+    # a request that goes on again (parked, a reader came back) waits this long for a
+    # worker to take it, then ends errored (worker_lost: the sweeper)
+    worker_wait_s: int = 600
 
     @classmethod
     def of(cls, settings: Settings) -> Retention:
-        return cls(settings.hot_log_ttl_s, settings.unstored_ttl_s)
+        running = int(settings.hot_log_ttl_s + 2 * settings.request_deadline_s)
+        wait = int(settings.takeover_wait_s or settings.request_deadline_s)
+        return cls(settings.hot_log_ttl_s, settings.unstored_ttl_s, running, wait)
 
     def ttl_s(self, summary: ev.Summary) -> int:
         if not summary.store:
@@ -108,6 +103,7 @@ class RedisLog(LogReader):
         self._claim = scripts.register(redis, "claim")
         self._append = scripts.register(redis, "append")
         self._resumed = scripts.register(redis, "resumed")
+        self._park = scripts.register(redis, "park")
 
     async def create(
         self,
@@ -174,8 +170,33 @@ class RedisLog(LogReader):
         )
         if not raw:
             raise Fenced(f"request {owner.request_id}: not owned by epoch {owner.epoch}")
-        takeovers, handovers, reprefill = (replies.integer(x) for x in raw)
-        return Recovery(takeovers, handovers, reprefill)
+        return Recovery(*(replies.integer(x) for x in raw))
+
+    async def park(self, owner: Owner, entry_id: bytes, discarded: int) -> Parked:
+        """Take the owner's request out of its hands, no reader being left (``park.lua``):
+        parked until one comes back, or -- one came back meanwhile -- queued again at once.
+        ``discarded``: tokens the owner made that are not in the log. Either way the owner
+        is fenced out; ``Parked.window_ms`` is when its resume window is over."""
+        rid = owner.request_id
+        keys = [
+            self.keys.meta(rid),
+            self.keys.readers(rid),
+            self.keys.queue_of(rid),
+            self.keys.parked_of(rid),
+            self.keys.log(rid),
+            self.keys.tails(rid),
+            self.keys.orphans_of(rid),
+        ]
+        now = int(time.time() * 1000)
+        retention = self.retention
+        keep_ms, wait_ms = retention.running_ttl_s * 1000, retention.worker_wait_s * 1000
+        args: list[Any] = [owner.epoch, entry_id, discarded, now, rid, keep_ms, wait_ms]
+        raw = replies.texts(await self._park(keys=keys, args=args))
+        if raw[0] == "PARKED":
+            return Parked(window_ms=int(raw[1]))
+        if raw[0] == "CONTINUED":
+            return Parked(entry_id=raw[1].encode())
+        raise Fenced(f"request {rid}: not parked by epoch {owner.epoch}")
 
     async def append(
         self,
@@ -314,9 +335,8 @@ class RedisLog(LogReader):
         with the token counts its log reached (``prompt_tokens`` if its ``created`` is
         gone) and its recovery counts. Raises like ``end``."""
         entries = await self.read(request_id)
-        first: tuple[EventId, ev.Created] | None = None
-        if entries and isinstance(entries[0][1], ev.Created):
-            first = (entries[0][0], entries[0][1])
+        first = created_of(entries)
+        if first is not None:
             prompt_tokens = first[1].prompt_tokens
         meta = await self.meta(request_id)
         request = endings.Request(
@@ -355,6 +375,15 @@ class Append:
     expect: int | None = None  # entries the log holds before these (None: no check)
     inflight_key: str = ""  # the API key's in-flight set, freed at the terminal event
     ack: bytes = b""  # the queue entry to acknowledge (and delete) with the terminal event
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Parked:
+    """A park's outcome: parked until ``window_ms``, or -- a reader came back meanwhile --
+    queued again at once behind ``entry_id``."""
+
+    window_ms: int | None = None
+    entry_id: bytes | None = None
 
 
 @dataclasses.dataclass(slots=True)

@@ -23,6 +23,13 @@ def _entries(raw: Sequence[tuple[bytes, dict[bytes, bytes]]]) -> list[tuple[Even
     return [(_decode_id(entry_id), ev.decode(fields[EVENT_FIELD])) for entry_id, fields in raw]
 
 
+def created_of(entries: Sequence[tuple[EventId, ev.Event]]) -> tuple[EventId, ev.Created] | None:
+    """A log's ``created`` (its first entry), if the log still starts with it."""
+    if entries and isinstance(entries[0][1], ev.Created):
+        return entries[0][0], entries[0][1]
+    return None
+
+
 @dataclasses.dataclass(slots=True)
 class RequestMeta:
     state: str
@@ -30,6 +37,8 @@ class RequestMeta:
     owner: str | None
     last_event_id: str | None
     recovery: Recovery = dataclasses.field(default_factory=lambda: Recovery())
+    events: int = 0  # entries in the log
+    delivered: int = 0  # the most completion tokens a reader's connection was sent
 
 
 class LogReader:
@@ -41,16 +50,26 @@ class LogReader:
         raw = await self.redis.hgetall(self.keys.meta(request_id))
         if not raw:
             return None
+
+        def number(name: Meta) -> int:
+            return replies.integer(replies.field(raw, name) or 0)
+
         return RequestMeta(
             state=replies.text(replies.field(raw, Meta.STATE) or b""),
-            epoch=replies.integer(replies.field(raw, Meta.EPOCH)),
+            epoch=number(Meta.EPOCH),
             owner=replies.text_or_none(replies.field(raw, Meta.OWNER)),
             last_event_id=replies.text_or_none(replies.field(raw, Meta.LAST)),
             recovery=Recovery(
-                replies.integer(replies.field(raw, Meta.TAKEOVERS) or 0),
-                replies.integer(replies.field(raw, Meta.HANDOVERS) or 0),
-                replies.integer(replies.field(raw, Meta.REPREFILL) or 0),
+                takeovers=number(Meta.TAKEOVERS),
+                handovers=number(Meta.HANDOVERS),
+                reprefill_tokens=number(Meta.REPREFILL),
+                parks=number(Meta.PARKS),
+                discarded_tokens=number(Meta.DISCARDED),
+                paused_ms=number(Meta.PAUSED_MS),
+                returned_ms=number(Meta.RETURNED_MS),
             ),
+            events=number(Meta.EVENTS),
+            delivered=number(Meta.DELIVERED),
         )
 
     async def read(

@@ -21,6 +21,8 @@ from service.store.pool import STORE_ERRORS
 
 log = logging.getLogger(__name__)
 
+UNPARKED = 2  # lease.lua: the lease is written, and the request was parked: it goes on
+
 
 @dataclasses.dataclass(slots=True, eq=False)
 class Lease:
@@ -38,6 +40,7 @@ class Lease:
     # the reader got the terminal event: the request is over, its readers set gone with
     # it (the end's script drops it), so releasing the lease needs no round trip
     ended: bool = False
+    unparked: bool = False  # taking it made the parked request go on
 
     async def release(self) -> None:
         await self.presence.release(self)
@@ -75,12 +78,15 @@ class Presence:
         self._leases.discard(lease)
 
     async def acquire(self, request_id: str) -> Lease:
+        """A reader's lease; a reader that comes back to a parked request makes it go on
+        (``lease.unparked``)."""
         lease = self.track(request_id)
         try:
-            await self.control.lease([(request_id, lease.token, 0)], self.expiry_ms())
+            [answer] = await self.control.lease([(request_id, lease.token, 0)], self.expiry_ms())
         except BaseException:  # not written (or cancelled): never refresh it
             self.forget(lease)
             raise
+        lease.unparked = answer == UNPARKED
         return lease
 
     async def release(self, lease: Lease) -> None:

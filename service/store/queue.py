@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -236,14 +237,24 @@ class RequestQueue:
 
     async def orphans_due(self, now_ms: int, count: int = 100) -> list[str]:
         """Started requests queued again whose wait for a worker is over (all partitions)."""
-        pipe = self.redis.pipeline(transaction=False)
-        for p in self.keys.all_partitions:
-            pipe.zrangebyscore(self.keys.orphans(p), "-inf", now_ms, start=0, num=count)
-        found: Any = await pipe.execute()
-        return [replies.text(r) for raw in found for r in raw]
+        return await self._due(self.keys.orphans, now_ms, count)
 
     async def forget_orphan(self, request_id: str) -> None:
         await self.redis.zrem(self.keys.orphans_of(request_id), request_id)
+
+    async def parked_due(self, now_ms: int, count: int = 100) -> list[str]:
+        """Parked requests whose resume window is over (all partitions)."""
+        return await self._due(self.keys.parked, now_ms, count)
+
+    async def forget_parked(self, request_id: str) -> None:
+        await self.redis.zrem(self.keys.parked_of(request_id), request_id)
+
+    async def _due(self, key: Callable[[int], str], now_ms: int, count: int) -> list[str]:
+        pipe = self.redis.pipeline(transaction=False)
+        for p in self.keys.all_partitions:
+            pipe.zrangebyscore(key(p), "-inf", now_ms, start=0, num=count)
+        found: Any = await pipe.execute()
+        return [replies.text(r) for raw in found for r in raw]
 
 
 class Heartbeats:

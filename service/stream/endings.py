@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from service.stream.events import Created, End, Error, Event, Summary
+from service.stream.events import Created, Delta, End, Error, Event, Summary
 from service.stream.ids import EventId
 from service.stream.lifecycle import ABORT_REASON, EngineFinish, FinishReason, State
 
@@ -36,11 +36,17 @@ from service.stream.lifecycle import ABORT_REASON, EngineFinish, FinishReason, S
 @dataclasses.dataclass(frozen=True, slots=True)
 class Recovery:
     """A continued request's counts: times its worker was lost (takeovers), times a stopping
-    worker handed it over, tokens prefilled again to continue it."""
+    worker handed it over, tokens prefilled again to continue it; times it was parked (no
+    reader), tokens made and thrown away then (made again: wasted), time spent parked, and
+    when a reader last came back to it (unix ms; 0: never)."""
 
     takeovers: int = 0
     handovers: int = 0
     reprefill_tokens: int = 0
+    parks: int = 0
+    discarded_tokens: int = 0
+    paused_ms: int = 0
+    returned_ms: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,12 +85,13 @@ class ChoiceEnd:
     last deltas not yet in the log, and the tokens made before an abort decision."""
 
     index: int
-    state: State
+    state: State  # a terminal state, or ``parked``
     finish_reason: FinishReason | None
     completion_tokens: int
     tail: tuple[Event, ...] = ()
     covered_tokens: int | None = None  # None: no abort was decided
     failure: Failure | None = None  # ``errored``: why
+    logged_tokens: int = 0  # of ``completion_tokens``, those its deltas (tail too) carry
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -98,6 +105,17 @@ class HandOver:
 @dataclasses.dataclass(frozen=True, slots=True)
 class FencedOut:
     """No ending here: another worker owns the request now (it took it over)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Park:
+    """No ending here: no reader is left, so the request leaves the engine and waits for one
+    to come back (within its resume window); ``tail``: finished choices' last deltas, to go
+    in the log first; ``discarded_tokens``: what was made and is not in the log (whoever
+    continues it makes them again: wasted)."""
+
+    tail: tuple[Event, ...] = ()
+    discarded_tokens: int = 0
 
 
 FENCED_OUT = FencedOut()
@@ -115,6 +133,7 @@ class Shown:
     stopped: bool
     calls: bool
     completion_tokens: int
+    logged_tokens: int = 0  # of them, those its logged deltas carry
 
 
 def finished(
@@ -132,17 +151,31 @@ def finished(
     if reason == FinishReason.STOP and shown.calls:
         reason = FinishReason.TOOL_CALLS
     return ChoiceEnd(
-        shown.index, State.FINISHED, reason, shown.completion_tokens, tuple(tail), covered_tokens
+        shown.index,
+        State.FINISHED,
+        reason,
+        shown.completion_tokens,
+        tuple(tail),
+        covered_tokens,
+        logged_tokens=shown.logged_tokens
+        + sum(len(e.token_ids) for e in tail if isinstance(e, Delta)),
     )
 
 
 def aborted(shown: Shown, decided: State, covered: int) -> ChoiceEnd:
-    """A cancel or an abandon (``decided``) stopped the choice, ``covered`` tokens in --
-    unless a stop string had ended it first (then it finished "stop")."""
+    """A cancel, an abandon or a park (``decided``) stopped the choice, ``covered`` tokens
+    in -- unless a stop string had ended it first (then it finished "stop")."""
     if shown.stopped:
         return finished(shown, None, covered_tokens=covered)
-    reason = ABORT_REASON[decided]
-    return ChoiceEnd(shown.index, decided, reason, shown.completion_tokens, covered_tokens=covered)
+    reason = ABORT_REASON.get(decided)
+    return ChoiceEnd(
+        shown.index,
+        decided,
+        reason,
+        shown.completion_tokens,
+        covered_tokens=covered,
+        logged_tokens=shown.logged_tokens,
+    )
 
 
 def failed_choice(index: int, failure: Failure, completion_tokens: int) -> ChoiceEnd:
@@ -196,7 +229,7 @@ def ran(
     choices: Sequence[Stopped],
     *,
     delivered: int | None = None,
-) -> Ending | HandOver | FencedOut:
+) -> Ending | HandOver | FencedOut | Park:
     """The ending of a run, from how each of its choices stopped (in choice order).
     ``delivered``: the most completion tokens any reader got, when none is left (see
     ``wants_delivery``; None: a reader is there, or it is not known)."""
@@ -205,6 +238,9 @@ def ran(
     ends = [c for c in choices if isinstance(c, ChoiceEnd)]
     if len(ends) < len(choices):  # a choice was handed over: the rest end with it
         return HandOver(tuple(e for c in ends for e in c.tail))
+    if any(c.state == State.PARKED for c in ends):  # no reader: the rest wait with it
+        discarded = sum(c.completion_tokens - c.logged_tokens for c in ends)
+        return Park(tuple(e for c in ends for e in c.tail), discarded)
     total = sum(c.completion_tokens for c in ends)
     failures = [c.failure for c in ends if c.failure is not None]
     if failures:  # the engine's own error first, not a sibling's abort that it caused
@@ -238,6 +274,39 @@ def failed(request: Request, failure: Failure, completion_tokens: int) -> Ending
 def cancelled_queued(request: Request) -> Ending:
     """Cancelled while still queued: no engine saw it, nothing was generated."""
     return _ending(request, State.CANCELLED, FinishReason.CANCELLED, 0)
+
+
+def window_over(request: Request, logged_tokens: int, delivered: int) -> Ending:
+    """A parked request nobody came back to within its resume window: abandoned, billed
+    for what was made (``logged_tokens``, what its log carries, and what was thrown away
+    when it was parked); wasted: what no reader got."""
+    completion = logged_tokens + request.recovery.discarded_tokens
+    wasted = logged_tokens - min(delivered, logged_tokens)
+    reason = FinishReason.ABANDONED
+    return _ending(
+        request,
+        State.ABANDONED,
+        reason,
+        completion,
+        wasted=wasted,
+        finish_reasons=_all(request, reason),
+    )
+
+
+def cancelled_parked(request: Request, logged_tokens: int) -> Ending:
+    """A parked request cancelled: billed for what was made; wasted: what was thrown away
+    when it was parked (what its log carries is there to read)."""
+    completion = logged_tokens + request.recovery.discarded_tokens
+    reason = FinishReason.CANCELLED
+    return _ending(
+        request, State.CANCELLED, reason, completion, finish_reasons=_all(request, reason)
+    )
+
+
+def _all(request: Request, reason: FinishReason) -> list[FinishReason | None] | None:
+    """Every choice's finish reason, the same for all (an ending none of them reached)."""
+    n = request.first[1].n if request.first is not None else 1
+    return [reason] * n if n > 1 else None
 
 
 def lost(request: Request) -> Ending:
@@ -290,7 +359,8 @@ def _ending(
         finish_reason=reason,
         prompt_tokens=request.prompt_tokens,
         completion_tokens=completion_tokens,
-        wasted_tokens=wasted,
+        # and what was made and thrown away when it was parked (made again, or not)
+        wasted_tokens=wasted + recovery.discarded_tokens,
         takeovers=recovery.takeovers,
         handovers=recovery.handovers,
         reprefill_tokens=recovery.reprefill_tokens,

@@ -6,7 +6,11 @@ script says ``TERMINAL[state]`` or ``M.epoch`` and never spells a state or a met
 field itself (a test fails if one does).
 
     queued --claim--> running --append(End)--> finished | cancelled | abandoned | errored
-       \\--cancel (still queued)--> cancelled
+       \\--cancel (still queued)--> cancelled    | ^
+                                   park (no reader)| | unpark (a reader came back)
+                                                   v |
+                                                 parked --window over--> abandoned
+                                                        --cancel-------> cancelled
 
 Every accepted request reaches exactly one terminal state. A running request
 whose worker is lost (or stops) is queued again (``requeue.lua``): that bumps the owner
@@ -32,9 +36,12 @@ class State(enum.StrEnum):
 
     QUEUED = "queued"
     RUNNING = "running"
+    # no reader for ``park_after_s``: out of the engine, its log kept, continued when a
+    # reader comes back within its resume window (abandoned when the window is over)
+    PARKED = "parked"
     FINISHED = "finished"  # EOS, stop string, max_tokens / context length
     CANCELLED = "cancelled"  # POST /v1/requests/{id}/cancel
-    ABANDONED = "abandoned"  # last reader gone longer than the resume grace period
+    ABANDONED = "abandoned"  # last reader gone for the whole resume window
     ERRORED = "errored"  # engine error, deadline, worker lost, worker failure
 
     @property
@@ -72,11 +79,16 @@ class Verdict(enum.IntEnum):
     answer is not a member: it is ``-ms`` until the grace period runs out."""
 
     KEEP_GOING = 0
-    ABANDONED = 1  # no live reader for longer than the resume grace period
+    ABANDONED = 1  # no live reader for the whole resume window (one not over the park delay)
     CANCELLED = 2  # POST .../cancel
+    PARK = 3  # no live reader for the park delay: stop generating, keep it resumable
 
 
-VERDICT_STATE = {Verdict.CANCELLED: State.CANCELLED, Verdict.ABANDONED: State.ABANDONED}
+VERDICT_STATE = {
+    Verdict.CANCELLED: State.CANCELLED,
+    Verdict.ABANDONED: State.ABANDONED,
+    Verdict.PARK: State.PARKED,
+}
 
 
 class Meta(enum.StrEnum):
@@ -96,6 +108,12 @@ class Meta(enum.StrEnum):
     TAKEOVERS = "takeovers"  # times its worker was lost and another one continued it
     HANDOVERS = "handovers"  # times a stopping worker handed it over (SIGTERM)
     REPREFILL = "reprefill"  # tokens prefilled again by the workers that continued it
+    PARKED_JOB = "parked_job"  # a parked request's job, queued again when a reader returns
+    PARKS = "parks"  # times it was parked
+    DISCARDED = "discarded"  # tokens made and thrown away when it was parked (made again)
+    PARKED_MS = "parked_ms"  # when it was parked last
+    PAUSED_MS = "paused_ms"  # how long it was parked in all (its deadline is that much later)
+    RETURNED_MS = "returned_ms"  # when a reader came back to it (unparked) last
 
 
 class Requeue(enum.StrEnum):
@@ -114,6 +132,8 @@ class Step(enum.StrEnum):
     END = "ending"  # append.lua with the terminal event: to the state it names
     CANCEL = "cancel"  # cancel.lua
     REQUEUE = "requeue"  # requeue.lua: queued again for another worker (lost, handover)
+    PARK = "park"  # park.lua: its owner takes it out of the engine, no reader being left
+    UNPARK = "unpark"  # lease.lua: a reader came back to a parked request, which goes on
 
 
 # (state before, step) -> the states the step may leave the request in. A pair that is
@@ -133,6 +153,12 @@ TRANSITIONS: dict[tuple[State | None, Step], frozenset[State]] = {
     # never started: another worker runs it; started: ownerless, the next claim continues it
     (State.QUEUED, Step.REQUEUE): frozenset({State.QUEUED}),
     (State.RUNNING, Step.REQUEUE): frozenset({State.RUNNING}),
+    # parked: no reader left; continued (queued again, ownerless) when one comes back;
+    # abandoned when its resume window is over (the sweeper); cancelled on the spot
+    (State.RUNNING, Step.PARK): frozenset({State.PARKED}),
+    (State.PARKED, Step.UNPARK): frozenset({State.RUNNING}),
+    (State.PARKED, Step.END): frozenset({State.ABANDONED}),
+    (State.PARKED, Step.CANCEL): frozenset({State.CANCELLED}),
 }
 
 
@@ -148,12 +174,16 @@ def lua_prelude() -> str:
     meta = ", ".join(f"{m.name.lower()}='{m.value}'" for m in Meta)
     verdicts = ", ".join(f"{v.name}={v.value}" for v in Verdict)
     why = ", ".join(f"{r.name}='{r.value}'" for r in Requeue)
-    # T.<step>[state]: the step is allowed from that state (T.create: from none at all;
-    # T.ending: the terminal append)
+    # T.<step>[state]: the states the step may take a request in that state to (nil: it
+    # is refused there; T.create: from none at all; T.ending: the terminal append)
     steps = []
     for step in Step:
-        froms = sorted(s.value for (s, st) in TRANSITIONS if st == step and s is not None)
-        steps.append(f"{step.value}={{{', '.join(f'{f}=true' for f in froms)}}}")
+        froms = []
+        for (before, st), to in sorted(TRANSITIONS.items(), key=lambda kv: str(kv[0][0])):
+            if st == step and before is not None:
+                targets = ", ".join(f"{t.value}=true" for t in sorted(to))
+                froms.append(f"{before.value}={{{targets}}}")
+        steps.append(f"{step.value}={{{', '.join(froms)}}}")
     return (
         "-- generated from service/stream/lifecycle.py\n"
         f"local S = {{{states}}}\n"

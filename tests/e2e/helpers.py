@@ -15,6 +15,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from service.stream.ids import Cursor
+from tests.waiting import wait_until
 
 # ~300 tokens with multi-byte characters, split characters and emoji
 LONG = "Café crème costs 5€ in Zürich; 日本語のテキストも少し。 Emoji: 🤖🚀👩‍👩‍👧. " + " ".join(
@@ -117,3 +118,36 @@ def tool_calls_of(chunks: list[Any]) -> tuple[str, dict[int, dict[str, str]], li
         if choice.finish_reason:
             finishes.append(choice.finish_reason)
     return content, calls, finishes
+
+
+def wait_state(url: str, rid: str, states: set[str], timeout_s: float = 60.0) -> dict[str, Any]:
+    """The request's status once it is in one of ``states`` (the timeout: a safety net)."""
+    last: dict[str, Any] = {}
+
+    def reached() -> dict[str, Any] | None:
+        last.update(httpx.get(f"{url}/v1/requests/{rid}", timeout=30).json())
+        return dict(last) if last["state"] in states else None
+
+    try:
+        return wait_until(reached, f"{rid} to reach {states}", timeout=timeout_s, interval=0.02)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {last}") from None
+
+
+def read_some(
+    url: str, payload: dict[str, Any], n: int, path: str = "/v1/chat/completions"
+) -> tuple[str, list[Any], float]:
+    """Open a stream, read ``n`` events, drop the connection. Also returns the wall-clock
+    time taken just before the connection closed: the reader left after it."""
+    seen = []
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", url + path, json=payload) as r,
+    ):
+        rid = r.headers["x-request-id"]
+        for event in EventSource(r).iter_sse():
+            seen.append(event)
+            if len(seen) == n:
+                break
+        leaving_at = time.time()
+    return rid, seen, leaving_at

@@ -24,11 +24,23 @@ import pytest
 from httpx_sse import EventSource
 
 from tests.e2e.conftest import Stack, running
-from tests.e2e.helpers import LONG, chat_body, content_of, finish_reason, ledger_row, read_all
+from tests.e2e.helpers import (
+    LONG,
+    chat_body,
+    content_of,
+    finish_reason,
+    ledger_row,
+    read_all,
+    read_some,
+    wait_state,
+)
 from tests.waiting import wait_until
 
 RATE = 40.0
 LONG_PREFILL_S = 600.0  # longer than any test: only an abort ends it
+# a reader-less request is parked after this long (tests/e2e/test_park.py): longer than any
+# answer here, so that these tests see a request run on (or end) while its reader is away
+PARK_AFTER_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +60,7 @@ def stack(
         lease_refresh_s=0.5,
         lease_ttl_s=2.0,
         cancel_wait_s=5.0,
+        park_after_s=PARK_AFTER_S,
     ) as st:
         yield st
 
@@ -70,43 +83,13 @@ def prefill_stack(
         lease_refresh_s=0.5,
         lease_ttl_s=2.0,
         cancel_wait_s=5.0,
+        park_after_s=PARK_AFTER_S,
     ) as st:
         yield st
 
 
 def body(stack: Stack, **options: Any) -> dict[str, Any]:
     return chat_body(stack.model, LONG, stream=True, stream_options=options)
-
-
-def wait_state(url: str, rid: str, states: set[str], timeout_s: float = 60.0) -> dict[str, Any]:
-    """The request's status once it is in one of ``states`` (the timeout: a safety net)."""
-    last: dict[str, Any] = {}
-
-    def reached() -> dict[str, Any] | None:
-        last.update(httpx.get(f"{url}/v1/requests/{rid}", timeout=30).json())
-        return dict(last) if last["state"] in states else None
-
-    try:
-        return wait_until(reached, f"{rid} to reach {states}", timeout=timeout_s, interval=0.02)
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}: {last}") from None
-
-
-def read_some(url: str, payload: dict[str, Any], n: int) -> tuple[str, list[Any], float]:
-    """Open a stream, read ``n`` events, drop the connection. Also returns the wall-clock
-    time taken just before the connection closed: the reader left after it."""
-    seen = []
-    with (
-        httpx.Client(timeout=30) as client,
-        client.stream("POST", url + "/v1/chat/completions", json=payload) as r,
-    ):
-        rid = r.headers["x-request-id"]
-        for event in EventSource(r).iter_sse():
-            seen.append(event)
-            if len(seen) == n:
-                break
-        leaving_at = time.time()
-    return rid, seen, leaving_at
 
 
 def end_time(status: dict[str, Any]) -> float:

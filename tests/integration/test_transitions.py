@@ -60,6 +60,8 @@ class Request:
             return
         owner = await self.log.claim(self.rid, "w1", self.entry)
         assert owner is not None
+        if state == State.PARKED:  # (no reader: the request was created without a lease)
+            assert (await self.log.park(owner, self.entry, 0)).window_ms is not None
         if state in TERMINAL_STATES:
             await self.log.append(
                 self.rid, owner.epoch, [end(state)], terminal_state=state, ttl_s=60
@@ -117,7 +119,9 @@ def ending(state: State) -> Callable[[Request], Awaitable[bool]]:
 
 
 async def cancel(r: Request) -> bool:
-    outcome = await r.control.cancel(r.rid, queued(r.rid))
+    meta = await r.log.meta(r.rid)
+    parked = endings.cancelled_parked(endings.Request(r.rid, None, 2, 0), 0)
+    outcome = await r.control.cancel(r.rid, queued(r.rid), (parked, meta.events if meta else 0))
     # ended here (with its end's id), or flagged for its owner; else it answers the state
     return outcome.outcome == "cancelling" or (
         outcome.outcome == State.CANCELLED and outcome.detail is not None
@@ -129,6 +133,20 @@ async def requeue(r: Request) -> bool:
     return done.entry_id is not None
 
 
+async def park(r: Request) -> bool:
+    try:  # as the request's owner (whatever epoch it has): only the state may refuse
+        return (
+            await r.log.park(Owner(r.rid, await r.epoch(), 0), r.entry, 0)
+        ).window_ms is not None
+    except Fenced:
+        return False
+
+
+async def unpark(r: Request) -> bool:
+    """A reader comes (back) to it: the lease's script goes on with a parked request."""
+    return (await Presence(r.control).acquire(r.rid)).unparked
+
+
 STEPS = [
     pytest.param(Step.CREATE, None, create, id="create"),
     pytest.param(Step.CLAIM, None, claim, id="claim"),
@@ -136,6 +154,8 @@ STEPS = [
     *(pytest.param(Step.END, s, ending(s), id=f"end-{s}") for s in sorted(TERMINAL_STATES)),
     pytest.param(Step.CANCEL, None, cancel, id="cancel"),
     pytest.param(Step.REQUEUE, None, requeue, id="requeue"),
+    pytest.param(Step.PARK, None, park, id="park"),
+    pytest.param(Step.UNPARK, None, unpark, id="unpark"),
 ]
 
 
@@ -178,9 +198,10 @@ async def test_the_other_scripts_change_no_state(
     try:
         r = Request(redis, keys)
         await r.make(before)
-        await r.control.check([r.rid])  # check.lua
-        lease = await Presence(r.control).acquire(r.rid)  # lease.lua
-        await lease.release()  # leave.lua
+        await r.control.check([r.rid], park_after_ms=0)  # check.lua
+        if before != State.PARKED:  # (lease.lua's unpark is a step of the table: above)
+            lease = await Presence(r.control).acquire(r.rid)  # lease.lua
+            await lease.release()  # leave.lua
         with contextlib.suppress(Fenced):  # resumed.lua: only a running request's owner
             await r.log.resumed(Owner(r.rid, await r.epoch(), 0), 3)
         follow = scripts.register(redis, "follow")

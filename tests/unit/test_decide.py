@@ -17,7 +17,15 @@ from hypothesis import strategies as st
 
 from service.stream import endings
 from service.stream.assemble import Assembler
-from service.stream.endings import ChoiceEnd, Ending, FencedOut, HandOver, Recovery, Stopped
+from service.stream.endings import (
+    ChoiceEnd,
+    Ending,
+    FencedOut,
+    HandOver,
+    Park,
+    Recovery,
+    Stopped,
+)
 from service.stream.events import Created, Delta, End, Error, Event
 from service.stream.ids import EventId
 from service.stream.lifecycle import ABORT_REASON, EngineFinish, FinishReason, State
@@ -165,7 +173,7 @@ engine_step = st.tuples(
     ids,
     st.sampled_from([None, None, None, *EngineFinish]),
 )
-signal = st.tuples(st.sampled_from(["cancel", "lapse", "handover"]))
+signal = st.tuples(st.sampled_from(["cancel", "lapse", "park", "handover"]))
 failure = st.tuples(st.sampled_from(["engine_error", "deadline", "fenced"]), st.integers(0, 2))
 scripts = st.lists(st.one_of(engine_step, engine_step, engine_step, signal, failure), max_size=25)
 
@@ -203,6 +211,8 @@ def drive(model: ModelInfo, n: int, script: list[tuple[object, ...]]) -> Driven:
             signals.decided = State.CANCELLED
         elif kind == "lapse" and signals.decided is None:
             signals.decided = State.ABANDONED
+        elif kind == "park" and signals.decided is None:
+            signals.decided = State.PARKED
         elif kind == "handover":
             signals.handing_over = True
         elif kind in ("out", "engine_error", "deadline", "fenced"):
@@ -245,6 +255,13 @@ def test_any_sequence_ends_once_and_the_summary_agrees_with_the_events(
     if isinstance(result, HandOver):
         assert driven.signals.handing_over and not driven.fenced
         assert all(isinstance(e, Delta) for e in result.tail)
+        return
+    logged = [e for e in [*driven.appended, *getattr(result, "tail", ())] if isinstance(e, Delta)]
+    if isinstance(result, Park):  # out of the engine: nothing ends, nothing is lost
+        assert driven.signals.decided == State.PARKED and not driven.fenced
+        assert all(isinstance(e, Delta) for e in result.tail)
+        # what was made and is not in the log: made again when it goes on (wasted)
+        assert result.discarded_tokens == driven.made - sum(len(d.token_ids) for d in logged)
         return
     assert isinstance(result, Ending)
     events, end, summary = result.events, result.end, result.summary

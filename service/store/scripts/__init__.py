@@ -39,6 +39,7 @@ NAMES = (
     "follow",
     "lease",
     "leave",
+    "park",
     "requeue",
     "resumed",
     "unclaim",

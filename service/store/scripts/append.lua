@@ -43,10 +43,11 @@ while a <= #ARGV do
     out[#out + 1] = ids
   elseif TERMINAL[state] then
     out[#out + 1] = {'ENDED request already ' .. state}
-  elseif not T.append[state] or (terminal ~= '' and not T.ending[state]) then
-    out[#out + 1] = {'FENCED the request is ' .. tostring(state) .. ', not owned'}
   elseif terminal ~= '' and not TERMINAL[terminal] then
     out[#out + 1] = {'INVALID ' .. terminal .. ' is not a terminal state'}
+  elseif (terminal == '' and not T.append[state])
+      or (terminal ~= '' and not (T.ending[state] or {})[terminal]) then
+    out[#out + 1] = {'FENCED the request is ' .. tostring(state) .. ', not owned'}
   elseif expect ~= '' and have ~= tonumber(expect) then
     out[#out + 1] = {'GAP the log holds ' .. have .. ' entries, not ' .. expect}
   else
@@ -69,6 +70,7 @@ while a <= #ARGV do
         redis.call('RENAME', scratch_key, log_key)
       end
       redis.call('HSET', meta_key, M.state, terminal)
+      redis.call('HDEL', meta_key, M.parked_job)
       redis.call('EXPIRE', meta_key, ttl)
       redis.call('EXPIRE', log_key, ttl)
       if summary ~= '' then

@@ -1,9 +1,12 @@
 -- The owner's periodic decision for a running request.
--- KEYS[1] meta, KEYS[2] readers; ARGV[1] now (ms)
--- Returns a Verdict: V.CANCELLED (cancel requested), V.ABANDONED (no live lease for
--- longer than the grace period), V.KEEP_GOING; or -N: no live lease, abandoned in N ms
--- unless a reader returns. Lapsed leases are removed; the moment the last one lapsed
--- (or the last reader left) is kept in M.gone_ms.
+-- KEYS[1] meta, KEYS[2] readers; ARGV[1] now (ms), ARGV[2] the park delay (ms; -1: never
+-- park)
+-- Returns a Verdict: V.CANCELLED (cancel requested), V.PARK (no live lease for the park
+-- delay, and a resume window longer than it: out of the engine, resumable), V.ABANDONED
+-- (no live lease for the whole resume window, M.grace_ms, when that is no longer than
+-- the park delay), V.KEEP_GOING; or -N: no live lease, parked or abandoned in N ms unless
+-- a reader returns. Lapsed leases are removed; the moment the last one lapsed (or the
+-- last reader left) is kept in M.gone_ms.
 -- A request Redis forgot (a restart without its data) is not brought back to life as a
 -- meta hash with only gone_ms in it (a key without a TTL): its owner learns at its next
 -- append that it is gone.
@@ -28,6 +31,13 @@ if gone == nil then
   gone = last_lapse or now
   redis.call('HSET', KEYS[1], M.gone_ms, gone)
 end
-local left = gone + tonumber(m[3] or '0') - now
+local window = tonumber(m[3] or '0')
+local park_after = tonumber(ARGV[2] or '-1')
+if park_after >= 0 and window > park_after then
+  local left = gone + park_after - now
+  if left <= 0 then return V.PARK end
+  return -math.ceil(left)
+end
+local left = gone + window - now
 if left <= 0 then return V.ABANDONED end
 return -math.ceil(left)

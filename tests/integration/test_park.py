@@ -1,0 +1,107 @@
+"""Parking in a real Redis: ``check.lua``'s park verdict, ``park.lua`` (parked, or -- a
+reader came back meanwhile -- queued again at once), and ``lease.lua`` making a parked
+request go on once, however many readers come back."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+from redis.asyncio import Redis
+
+from service.store import replies
+from service.store.control import Control
+from service.store.keys import Keys
+from service.store.log import RedisLog
+from service.store.presence import Presence
+from service.store.queue import Job, RequestQueue, encode_job
+from service.stream import events as ev
+from service.stream.lifecycle import Meta, State, Verdict
+from service.stream.params import SamplingParams
+
+pytestmark = pytest.mark.timeout(30)
+
+FIRST = ev.Created(kind="chat", model="m", created=0, prompt_tokens=2)
+
+
+async def running(rlog: RedisLog, queue: RequestQueue, grace_ms: int) -> tuple[str, bytes]:
+    """A request claimed by a worker, its queue entry pending, no reader."""
+    await queue.ensure_group()
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    job = encode_job(Job(rid, [1, 2], SamplingParams(max_tokens=8)))
+    await rlog.create(rid, FIRST, 600, grace_ms=grace_ms, job=job)
+    [(entry, _)] = await queue.read(rlog.keys.partition(rid), "w1", count=1, block_ms=100)
+    return rid, entry
+
+
+async def field(redis: Redis, keys: Keys, rid: str, name: Meta) -> str | None:
+    return replies.text_or_none(await redis.hget(keys.meta(rid), name))
+
+
+async def test_the_owner_is_told_to_park_after_the_delay_or_to_abandon(
+    rlog: RedisLog, redis: Redis, keys: Keys
+) -> None:
+    queue = RequestQueue(redis, keys)
+    control = Control(redis, keys)
+    long_window, _ = await running(rlog, queue, grace_ms=60_000)
+    short_window, _ = await running(rlog, queue, grace_ms=200)
+    for rid in (long_window, short_window):
+        assert await rlog.claim(rid, "w1") is not None
+    # no reader from now: the first is parked after the delay, the second (a window no
+    # longer than the delay) abandoned at its window's end, as before parking
+    first = await control.check([long_window, short_window], park_after_ms=500)
+    assert -500 <= first[long_window] < 0 and -200 <= first[short_window] < 0
+    await redis.hset(keys.meta(long_window), Meta.GONE_MS, int(time.time() * 1000) - 600)
+    await redis.hset(keys.meta(short_window), Meta.GONE_MS, int(time.time() * 1000) - 600)
+    later = await control.check([long_window, short_window], park_after_ms=500)
+    assert later == {long_window: Verdict.PARK, short_window: Verdict.ABANDONED}
+    never = await control.check([long_window], park_after_ms=-1)  # parking off
+    assert never[long_window] < 0  # abandoned when its window is over, as before
+
+
+async def test_park_keeps_the_job_and_a_returning_reader_makes_it_go_on_once(
+    rlog: RedisLog, redis: Redis, keys: Keys
+) -> None:
+    queue = RequestQueue(redis, keys)
+    rid, entry = await running(rlog, queue, grace_ms=60_000)
+    owner = await rlog.claim(rid, "w1", entry)
+    assert owner is not None
+    parked = await rlog.park(owner, entry, 3)
+    assert parked.window_ms is not None and parked.entry_id is None
+    assert await field(redis, keys, rid, Meta.STATE) == State.PARKED
+    assert await field(redis, keys, rid, Meta.DISCARDED) == "3"
+    assert await redis.xlen(keys.queue_of(rid)) == 0  # its entry acked and deleted
+    assert await redis.zscore(keys.parked_of(rid), rid) == parked.window_ms
+    assert await rlog.claim(rid, "w2", entry) is None  # nothing to take over
+    presence = Presence(Control(redis, keys))
+    back = [await presence.acquire(rid) for _ in range(3)]  # three readers come back
+    assert [lease.unparked for lease in back] == [True, False, False]
+    assert await field(redis, keys, rid, Meta.STATE) == State.RUNNING
+    assert await redis.xlen(keys.queue_of(rid)) == 1  # queued again, once
+    assert await redis.zscore(keys.parked_of(rid), rid) is None
+    assert await redis.zscore(keys.orphans_of(rid), rid) is not None  # (waits for a worker)
+    new_entry = replies.text(await field(redis, keys, rid, Meta.ENTRY)).encode()
+    continuing = await rlog.claim(rid, "w2", new_entry)
+    # fenced by the park, the unpark and its own claim
+    assert continuing is not None and continuing.epoch == owner.epoch + 3
+    recovery = await rlog.resumed(continuing, 5)
+    assert (recovery.parks, recovery.discarded_tokens) == (1, 3)
+    assert recovery.returned_ms > 0
+    assert (await rlog.resumed(continuing, 0)).returned_ms == 0  # answered once
+
+
+async def test_a_reader_back_as_it_is_parked_makes_it_go_on_at_once(
+    rlog: RedisLog, redis: Redis, keys: Keys
+) -> None:
+    queue = RequestQueue(redis, keys)
+    rid, entry = await running(rlog, queue, grace_ms=60_000)
+    owner = await rlog.claim(rid, "w1", entry)
+    assert owner is not None
+    await Presence(Control(redis, keys)).acquire(rid)  # back before the park was written
+    parked = await rlog.park(owner, entry, 0)
+    assert parked.window_ms is None and parked.entry_id is not None
+    assert await field(redis, keys, rid, Meta.STATE) == State.RUNNING
+    assert await field(redis, keys, rid, Meta.ENTRY) == parked.entry_id.decode()
+    assert await redis.zscore(keys.parked_of(rid), rid) is None
+    assert await field(redis, keys, rid, Meta.PARKS) is None  # it never was
