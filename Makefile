@@ -79,6 +79,9 @@ bench-cluster: $(STAMP)  ## lastevent on one Redis node vs a local Redis Cluster
 bench-takeover: $(STAMP)  ## the pause a stream sees when its worker is killed (-9) or stopped mid-answer (~3 min)
 	$(BIN)/python -m bench.takeover $(BENCH_ARGS)
 
+bench-park: $(STAMP)  ## clients that hang up (AIPerf's cancellation) and come back: parked vs the grace alone (~3 min)
+	$(BIN)/python -m bench.park $(BENCH_ARGS)
+
 bench-vllm: $(VLLM_STAMP)  ## TTFT / ITL: vLLM's own OpenAI server vs lastevent + vLLM worker
 	$(VLLM_BIN)/python -m bench.vllm_compare $(BENCH_ARGS)
 
@@ -109,4 +112,4 @@ lint: $(STAMP)  ## the static gates CI runs first: ruff, ruff format, mypy stric
 clean:  ## remove the virtualenv and caches (not the data dir)
 	rm -rf $(VENV) $(VLLM_VENV) $(GUIDELLM_VENV) .pytest_cache .hypothesis .cache
 
-.PHONY: help install run test test-cluster test-chaos test-clients test-vllm bench bench-cluster bench-takeover bench-vllm bench-guidellm test-fast lint clean
+.PHONY: help install run test test-cluster test-chaos test-clients test-vllm bench bench-cluster bench-takeover bench-park bench-vllm bench-guidellm test-fast lint clean

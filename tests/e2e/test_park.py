@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from httpx_sse import EventSource
 from openai import OpenAI
 
 from service.store.keys import EVENT_FIELD, Keys, principal
@@ -242,3 +243,68 @@ def test_a_reconnect_racing_the_park_loses_and_repeats_nothing(stack: Stack, awa
     assert_ids_increase(seen + rest)
     assert finish_reason(rest) == "stop"
     assert int(meta(stack, rid).get(Meta.PARKS, 0)) <= 1
+
+
+def choice_texts(events: list[Any]) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for e in events:
+        if e.data and e.data != "[DONE]":
+            for choice in json.loads(e.data).get("choices", []):
+                piece = (choice.get("delta") or {}).get("content") or ""
+                texts[choice["index"]] = texts.get(choice["index"], "") + piece
+    return texts
+
+
+def test_every_choice_of_n_goes_on(stack: Stack) -> None:
+    payload = chat_body(stack.model, LONG, stream=True, n=2)
+    rid, seen, _ = read_some(stack.api_urls[0], payload, 7)
+    parked(stack, rid)
+    with httpx.Client(base_url=stack.api_urls[1], timeout=60) as client:
+        _, rest = read_all(
+            client, "GET", f"/v1/requests/{rid}/events", headers={"Last-Event-ID": seen[-1].id}
+        )
+    assert choice_texts(seen + rest) == {0: LONG, 1: LONG}
+    assert_ids_increase(seen + rest)
+
+
+@pytest.fixture(scope="module")
+def limited(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
+) -> Iterator[Stack]:
+    """One request in flight per key (auth is off: every request is one key's)."""
+    with running(
+        tmp_path_factory.mktemp("park-limited"),
+        redis_url,
+        database_url,
+        model_dir,
+        scripted_tokens_per_s=RATE,
+        park_after_s=PARK_AFTER_S,
+        presence_check_s=0.2,
+        max_concurrent_per_key=1,
+    ) as st:
+        yield st
+
+
+def test_a_parked_request_holds_no_slot_but_counts_again_when_it_goes_on(
+    limited: Stack,
+) -> None:
+    url = limited.url
+    rid, seen, _ = read_some(url, chat_body(limited.model, LONG, stream=True), 3)
+    status = wait_state(url, rid, {"parked", "finished"})
+    assert status["state"] == "parked"
+    hi = chat_body(limited.model, "hi")
+    other = httpx.post(f"{url}/v1/chat/completions", json=hi, timeout=60)
+    assert other.status_code == 200  # the parked request held no slot of its key's
+    rest = []
+    with (
+        httpx.Client(base_url=url, timeout=60) as client,
+        client.stream(
+            "GET", f"/v1/requests/{rid}/events", headers={"Last-Event-ID": seen[-1].id}
+        ) as r,
+    ):
+        for event in EventSource(r).iter_sse():
+            if not rest:  # it goes on: in flight again, so the key is at its limit
+                third = httpx.post(f"{url}/v1/chat/completions", json=hi, timeout=60)
+                assert third.status_code == 429, third.text
+            rest.append(event)
+    assert content_of(seen + rest) == LONG
