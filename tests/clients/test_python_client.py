@@ -176,9 +176,13 @@ def test_resume_later_with_the_stream_token_only(
         assert "".join(head) + later.text() == QUESTION
         assert later.request_id == request_id
         assert keyless.status(request_id, token=token)["state"] == "finished"
-        # nothing more: a resume at the terminal event is a 204, and no stream
+        # nothing more: a resume at the terminal event is a 204, and no stream (asked
+        # again only when the proxy cut the connection it asked on: its byte budget is per
+        # connection, and the client's keep-alive connection carried the resume before)
+        cuts = proxy.cuts
         after = keyless.resume(request_id, later.last_event_id, token=token)
-        assert list(after) == [] and after.done and after.reconnects == 0
+        assert list(after) == [] and after.done
+        assert after.reconnects == 0 or proxy.cuts > cuts, (after.reconnects, proxy.cuts)
         # without a token (and no key) the server does not know us
         with pytest.raises(LastEventError) as refused:
             keyless.resume(request_id, last).text()
