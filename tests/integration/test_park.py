@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from service.store import replies
 from service.store.control import Control
 from service.store.keys import Keys
-from service.store.log import RedisLog
+from service.store.log import Owner, RedisLog
 from service.store.presence import Presence
 from service.store.queue import Job, RequestQueue, encode_job
 from service.stream import events as ev
@@ -26,13 +26,21 @@ FIRST = ev.Created(kind="chat", model="m", created=0, prompt_tokens=2)
 
 
 async def running(rlog: RedisLog, queue: RequestQueue, grace_ms: int) -> tuple[str, bytes]:
-    """A request claimed by a worker, its queue entry pending, no reader."""
+    """A request read by a worker, its queue entry pending, no reader."""
     await queue.ensure_group()
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     job = encode_job(Job(rid, [1, 2], SamplingParams(max_tokens=8)))
     await rlog.create(rid, FIRST, 600, grace_ms=grace_ms, job=job)
     [(entry, _)] = await queue.read(rlog.keys.partition(rid), "w1", count=1, block_ms=100)
     return rid, entry
+
+
+async def claimed(rlog: RedisLog, redis: Redis, keys: Keys) -> tuple[str, bytes, Owner]:
+    """As ``running``, with a long resume window, and claimed by its worker."""
+    rid, entry = await running(rlog, RequestQueue(redis, keys), grace_ms=60_000)
+    owner = await rlog.claim(rid, "w1", entry)
+    assert owner is not None
+    return rid, entry, owner
 
 
 async def field(redis: Redis, keys: Keys, rid: str, name: Meta) -> str | None:
@@ -63,10 +71,7 @@ async def test_the_owner_is_told_to_park_after_the_delay_or_to_abandon(
 async def test_park_keeps_the_job_and_a_returning_reader_makes_it_go_on_once(
     rlog: RedisLog, redis: Redis, keys: Keys
 ) -> None:
-    queue = RequestQueue(redis, keys)
-    rid, entry = await running(rlog, queue, grace_ms=60_000)
-    owner = await rlog.claim(rid, "w1", entry)
-    assert owner is not None
+    rid, entry, owner = await claimed(rlog, redis, keys)
     parked = await rlog.park(owner, entry, 3)
     assert parked.window_ms is not None and parked.entry_id is None
     assert await field(redis, keys, rid, Meta.STATE) == State.PARKED
@@ -94,10 +99,7 @@ async def test_park_keeps_the_job_and_a_returning_reader_makes_it_go_on_once(
 async def test_a_reader_back_as_it_is_parked_makes_it_go_on_at_once(
     rlog: RedisLog, redis: Redis, keys: Keys
 ) -> None:
-    queue = RequestQueue(redis, keys)
-    rid, entry = await running(rlog, queue, grace_ms=60_000)
-    owner = await rlog.claim(rid, "w1", entry)
-    assert owner is not None
+    rid, entry, owner = await claimed(rlog, redis, keys)
     await Presence(Control(redis, keys)).acquire(rid)  # back before the park was written
     parked = await rlog.park(owner, entry, 0)
     assert parked.window_ms is None and parked.entry_id is not None
