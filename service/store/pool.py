@@ -17,7 +17,7 @@ import logging
 from importlib.metadata import version
 from typing import Any, cast
 
-from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
+from redis.asyncio import BlockingConnectionPool, Connection, Redis, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import (
@@ -46,6 +46,34 @@ UNREACHABLE: tuple[type[Exception], ...] = (
 # Any failure of the store itself (redis-py's cluster client raises some that are not
 # RedisErrors): what a loop that must survive Redis trouble catches.
 STORE_ERRORS: tuple[type[Exception], ...] = (RedisError, RedisClusterException, OSError)
+
+
+class _Connection(Connection):
+    """redis-py's connection, with one more name for "the connection is gone": on uvloop a
+    write to a transport the peer closed (a node that died mid-command, a failover)
+    raises ``RuntimeError: unable to perform operation on <TCPTransport closed=True>``
+    where asyncio's own loop raises an OSError, which redis-py turns into its
+    ``ConnectionError``. Unmapped, it escaped every store-error handler: a 500, an
+    ``internal_error`` ending, a dead tail task. Mapped here, once, it is retried on a
+    new connection, or the slot map is learnt again, like any lost connection."""
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        try:
+            await super().send_packed_command(command, check_health)
+        except RuntimeError as exc:
+            raise _lost(exc) from exc
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)
+        except RuntimeError as exc:
+            raise _lost(exc) from exc
+
+
+def _lost(exc: RuntimeError) -> Exception:
+    if "closed" in str(exc) or "unable to perform operation" in str(exc):
+        return RedisConnectionError(f"the connection to Redis is gone: {exc}")
+    return exc
 
 
 @functools.cache
@@ -80,9 +108,14 @@ def connect(
     kwargs = {**_driver_info(), **_retry(), **kwargs}
     if cluster:
         client = RedisCluster.from_url(url, max_connections=max(4 * max_connections, 64), **kwargs)
+        # (its constructor names redis-py's own connection class: the nodes it knows and
+        # the ones it learns get this one)
+        client.nodes_manager.connection_kwargs["connection_class"] = _Connection
+        for node in client.nodes_manager.startup_nodes.values():
+            node.connection_class = _Connection
         return cast(Redis, client)
     pool = BlockingConnectionPool.from_url(
-        url, max_connections=max_connections, timeout=wait_s, **kwargs
+        url, max_connections=max_connections, timeout=wait_s, connection_class=_Connection, **kwargs
     )
     return Redis.from_pool(pool)
 
