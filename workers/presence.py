@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Collection
 
 from service.store.control import Control
-from service.store.pool import STORE_ERRORS
+from service.store.pool import STORE_ERRORS, survived
 from service.stream.lifecycle import State
 from workers.decide import Abort, RecheckIn, plan
 
@@ -84,8 +84,8 @@ class PresenceWatch:
             await asyncio.sleep(self.check_s)
             try:
                 verdicts = await self.control.check(list(self._undecided()), self.park_after_ms)
-            except STORE_ERRORS as exc:
-                log.warning("presence check failed: %s", exc)
+            except Exception as exc:  # noqa: BLE001 - the watch must go on
+                survived("a presence check", exc)
                 continue
             for rid, verdict in verdicts.items():
                 self.act_on(rid, verdict)

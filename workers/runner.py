@@ -27,7 +27,7 @@ from service.store.batcher import AppendBatcher
 from service.store.control import Control
 from service.store.keys import Keys
 from service.store.log import RedisLog, Retention
-from service.store.pool import STORE_ERRORS
+from service.store.pool import survived
 from service.store.queue import Heartbeat, Heartbeats, RequestQueue
 from service.stream.lifecycle import State
 from service.tokenize import ModelInfo
@@ -170,8 +170,8 @@ class Runner:
             RUNNING.set(len(self._tasks))
             try:
                 await self.heartbeats.beat(self.settings.worker_id, beat)
-            except STORE_ERRORS as exc:
-                log.warning("heartbeat failed: %s", exc)
+            except Exception as exc:  # noqa: BLE001 - a silent worker gets taken over
+                survived("a heartbeat", exc)
             await asyncio.sleep(self.settings.worker_heartbeat_s)
 
     async def _drain(self) -> None:

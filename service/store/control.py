@@ -26,7 +26,7 @@ from service.store import replies, scripts
 from service.store.keys import Keys
 from service.store.limits import free_slots
 from service.store.log import Retention
-from service.store.pool import STORE_ERRORS
+from service.store.pool import survived
 from service.stream import events as ev
 from service.stream.endings import Ending
 from service.stream.lifecycle import Meta, State
@@ -166,8 +166,8 @@ class Control:
                 async for message in pubsub.listen():
                     verb, _, rid = replies.text(message["data"]).partition(":")
                     yield verb, rid
-            except STORE_ERRORS as exc:
-                log.warning("control channel failed (subscribing again): %s", exc)
+            except Exception as exc:  # noqa: BLE001 - the channel must go on
+                survived("the control channel (subscribing again)", exc)
                 await asyncio.sleep(0.5)
             finally:
                 with contextlib.suppress(RedisError, OSError):

@@ -47,6 +47,18 @@ UNREACHABLE: tuple[type[Exception], ...] = (
 # RedisErrors): what a loop that must survive Redis trouble catches.
 STORE_ERRORS: tuple[type[Exception], ...] = (RedisError, RedisClusterException, OSError)
 
+log = logging.getLogger(__name__)
+
+
+def survived(what: str, exc: Exception) -> None:
+    """Log a failure that a loop which must go on (a tail shard, lease refreshes, a
+    worker's control channel) survived: a store error in a line, anything else -- a bug,
+    or a client error not mapped yet -- with its traceback. The loop then goes on."""
+    if isinstance(exc, STORE_ERRORS):
+        log.warning("%s failed: %s", what, exc)
+    else:
+        log.error("%s failed; going on", what, exc_info=exc)
+
 
 class _Connection(Connection):
     """redis-py's connection, with one more name for "the connection is gone": on uvloop a
@@ -135,7 +147,7 @@ async def warm(redis: Redis) -> None:
         try:
             await client.initialize()
         except STORE_ERRORS as exc:
-            logging.getLogger(__name__).warning("cannot reach the Redis Cluster yet: %s", exc)
+            log.warning("cannot reach the Redis Cluster yet: %s", exc)
 
 
 async def check(redis: Redis) -> str:

@@ -14,10 +14,8 @@ import dataclasses
 import logging
 import uuid
 
-from redis.exceptions import RedisError
-
 from service.store.control import Control, now_ms
-from service.store.pool import STORE_ERRORS
+from service.store.pool import STORE_ERRORS, survived
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +42,13 @@ class Lease:
 
     async def release(self) -> None:
         await self.presence.release(self)
+
+
+def _log_failed_leave(task: asyncio.Future[int]) -> None:
+    """A leave that failed (the lease lapses by itself), whether or not its reader still
+    waited for it: never a task exception nobody retrieved."""
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("could not release a lease: %s", task.exception())
 
 
 class Presence:
@@ -95,11 +100,14 @@ class Presence:
         self._leases.discard(lease)
         if lease.ended:
             return
-        try:
-            # shielded: a reader's task is often being cancelled (client gone) right now
-            await asyncio.shield(self.control.leave(lease.request_id, lease.token, lease.delivered))
-        except STORE_ERRORS as exc:  # the lease lapses by itself
-            log.warning("could not release lease of %s: %s", lease.request_id, exc)
+        leaving = asyncio.ensure_future(
+            self.control.leave(lease.request_id, lease.token, lease.delivered)
+        )
+        leaving.add_done_callback(_log_failed_leave)  # (an error after a cancelled wait)
+        # shielded: a reader's task is often being cancelled (client gone) right now; a
+        # failure is the callback's to log (the lease lapses by itself)
+        with contextlib.suppress(*STORE_ERRORS):
+            await asyncio.shield(leaving)
 
     def expiry_ms(self) -> int:
         return now_ms() + self.lease_ttl_ms
@@ -114,5 +122,7 @@ class Presence:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.refresh_s)
-            with contextlib.suppress(RedisError):
+            try:
                 await self.refresh()
+            except Exception as exc:  # noqa: BLE001 - a lapsed lease parks a read request
+                survived("refreshing the readers' leases", exc)

@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 
 from service.store import replies, scripts
 from service.store.keys import LOG_FIELD, Keys
-from service.store.pool import STORE_ERRORS
+from service.store.pool import STORE_ERRORS, survived
 from service.stream import events as ev
 from service.stream.ids import EventId
 
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WAKE_COUNT = 10_000  # wake entries taken in one read
+STOP_WAIT_S = 2.0  # a stopping shard waits this long for its loop to end
 
 
 class Shard:
@@ -77,7 +78,9 @@ class Shard:
 
     async def stop(self) -> None:
         self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
+        # (bounded: a read the client does not give up on at once must not hold the
+        # process's shutdown; seen after a read that failed with a client error)
+        await asyncio.wait({self._task}, timeout=STOP_WAIT_S)
         with contextlib.suppress(*STORE_ERRORS):
             pipe = self._redis.pipeline(transaction=False)
             for rid in self._rids.values():
@@ -143,8 +146,8 @@ class Shard:
         keys += leave.values()
         try:
             await self._follow(keys=keys, args=[len(register)])
-        except STORE_ERRORS as exc:  # the loop's own error handling registers all again
-            log.warning("tail registration failed: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - the loop registers all again
+            survived("tail registration", exc)
             self._reregister = True
 
     async def _run(self) -> None:
@@ -169,8 +172,8 @@ class Shard:
                 )
                 self.reads += 1
                 backoff = 0.05
-            except STORE_ERRORS as exc:
-                log.warning("log tail read failed (retrying in %.2fs): %s", backoff, exc)
+            except Exception as exc:  # noqa: BLE001 - a shard's readers must not be left
+                survived(f"log tail read (retrying in {backoff:.2f} s)", exc)
                 self._reregister = True
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)

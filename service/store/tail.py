@@ -27,7 +27,7 @@ from redis.asyncio import Redis
 from service.store import replies
 from service.store.keys import Keys
 from service.store.mailbox import IDLE, Batch, Interrupted, LogLost, Mailbox
-from service.store.pool import STORE_ERRORS, is_cluster
+from service.store.pool import STORE_ERRORS, is_cluster, survived
 from service.store.shard import Shard
 from service.stream.ids import EventId
 
@@ -147,17 +147,23 @@ class LogTailer:
         without its data) gets ``LogLost`` to all of its readers, instead of pings for ever."""
         while True:
             await asyncio.sleep(every_s / 4)
-            due = time.monotonic() - every_s
-            idle: dict[str, set[Subscription]] = {}
-            for shard in self._shards:
-                for key, subs in shard.subs.items():
-                    if any(sub.queue.last_put <= due for sub in subs):
-                        idle[key] = subs
-                    for sub in subs:
-                        if sub.keepalive and sub.queue.last_put <= due:
-                            sub.queue.put_nowait(IDLE)
-            if idle:
-                await self._check_exist(idle)
+            try:
+                await self._tick_once(every_s)
+            except Exception as exc:  # noqa: BLE001 - keepalives must go on
+                survived("the keepalive ticker", exc)
+
+    async def _tick_once(self, every_s: float) -> None:
+        due = time.monotonic() - every_s
+        idle: dict[str, set[Subscription]] = {}
+        for shard in self._shards:
+            for key, subs in shard.subs.items():
+                if any(sub.queue.last_put <= due for sub in subs):
+                    idle[key] = subs
+                for sub in subs:
+                    if sub.keepalive and sub.queue.last_put <= due:
+                        sub.queue.put_nowait(IDLE)
+        if idle:
+            await self._check_exist(idle)
 
     async def _check_exist(self, idle: dict[str, set[Subscription]]) -> None:
         keys = list(idle)

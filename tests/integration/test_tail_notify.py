@@ -158,3 +158,32 @@ async def test_a_departed_reader_leaves_the_tails_set(
         return await redis.scard(tails) == 0
 
     await eventually(left, "the shard to leave the tails set", timeout=5)
+
+
+async def test_a_shard_survives_an_error_that_is_not_a_store_error(
+    rlog: RedisLog, batcher: AppendBatcher, tail_client: tuple[Redis, str], keys: Keys
+) -> None:
+    """Whatever a read raises (here a RuntimeError, as a Redis client not mapping one of
+    its errors would), the shard logs it and goes on: its readers are not left with
+    pings for ever (a cluster failover killed a shard's loop so, before)."""
+    tailer = LogTailer(tail_client[0], keys, block_ms=10_000)
+    reader = tailer._reader  # (the client its shards read with)
+    send = reader.xread
+    broken = {"left": 2}
+
+    async def xread(streams: Any, *args: Any, **kw: Any) -> Any:
+        if broken["left"]:
+            broken["left"] -= 1
+            raise RuntimeError("a client error nobody mapped")
+        return await send(streams, *args, **kw)
+
+    reader.xread = xread  # type: ignore[method-assign]
+    await tailer.start()
+    try:
+        request_id, owner = await new_request(rlog)
+        sub = tailer.subscribe(request_id)
+        await batcher.append(owner, [delta(1)])
+        got = await collect(sub, 2)
+        assert [e for _, e in got] == [created(), delta(1)] and not broken["left"]
+    finally:
+        await tailer.stop()
