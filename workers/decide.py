@@ -122,7 +122,7 @@ class ChoiceRun:
 
     def failed(self, failure: Failure, *, abort: bool = False) -> Action:
         """The engine failed, or the deadline passed (``abort``: the engine still runs it)."""
-        end = endings.failed_choice(self.index, failure, self.completion_tokens)
+        end = endings.failed_choice(self.index, failure, self.completion_tokens, self._logged)
         return Action(abort=abort, stop=end)
 
     def fenced(self) -> Action:

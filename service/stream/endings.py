@@ -178,8 +178,12 @@ def aborted(shown: Shown, decided: State, covered: int) -> ChoiceEnd:
     )
 
 
-def failed_choice(index: int, failure: Failure, completion_tokens: int) -> ChoiceEnd:
-    return ChoiceEnd(index, State.ERRORED, None, completion_tokens, failure=failure)
+def failed_choice(
+    index: int, failure: Failure, completion_tokens: int, logged_tokens: int = 0
+) -> ChoiceEnd:
+    return ChoiceEnd(
+        index, State.ERRORED, None, completion_tokens, failure=failure, logged_tokens=logged_tokens
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -238,14 +242,14 @@ def ran(
     ends = [c for c in choices if isinstance(c, ChoiceEnd)]
     if len(ends) < len(choices):  # a choice was handed over: the rest end with it
         return HandOver(tuple(e for c in ends for e in c.tail))
-    if any(c.state == State.PARKED for c in ends):  # no reader: the rest wait with it
-        discarded = sum(c.completion_tokens - c.logged_tokens for c in ends)
-        return Park(tuple(e for c in ends for e in c.tail), discarded)
     total = sum(c.completion_tokens for c in ends)
     failures = [c.failure for c in ends if c.failure is not None]
     if failures:  # the engine's own error first, not a sibling's abort that it caused
         failure = min(failures, key=lambda f: f.code == ENGINE_ABORTED.code)
         return _ending(request, State.ERRORED, None, total, failure=failure)
+    if any(c.state == State.PARKED for c in ends):  # no reader: the rest wait with it
+        discarded = sum(c.completion_tokens - c.logged_tokens for c in ends)
+        return Park(tuple(e for c in ends for e in c.tail), discarded)
     covered = None
     if any(c.covered_tokens is not None for c in ends):
         covered = sum(

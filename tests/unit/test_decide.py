@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from service.stream import endings
@@ -243,6 +243,9 @@ def drive(model: ModelInfo, n: int, script: list[tuple[object, ...]]) -> Driven:
 
 @PROPS
 @given(n=st.integers(1, 3), script=scripts, delivered=st.none() | st.integers(0, 40))
+# (found in CI: one choice's engine gave up on its own, then a park: the request errored,
+# not parked -- a continuation would have run the failed choice again)
+@example(n=2, script=[("out", 0, [3], EngineFinish.ABORT), ("park",)], delivered=None)
 def test_any_sequence_ends_once_and_the_summary_agrees_with_the_events(
     tiny_model: ModelInfo, n: int, script: list[tuple[object, ...]], delivered: int | None
 ) -> None:
