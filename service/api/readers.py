@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -26,7 +27,7 @@ from service.store.pool import STORE_ERRORS
 from service.store.presence import Lease
 from service.store.tail import Subscription
 from service.stream import endings, sse
-from service.stream.events import Created, Delta, End, Error, Event
+from service.stream.events import Created, Delta, End, Error, Event, Progress
 from service.stream.ids import Cursor, EventId
 from service.stream.render import (
     ChunkRenderer,
@@ -36,6 +37,8 @@ from service.stream.render import (
     sse_event_frames,
 )
 from service.stream.response_events import Frame, ResponsesRenderer
+
+log = logging.getLogger(__name__)
 
 
 def _before(cursor: Cursor | None) -> EventId | None:
@@ -111,6 +114,8 @@ async def _stream(
     lease.adopted = True
     READERS.inc()
     hint = ctx.settings.reconnect_hint_ms
+    rid = render.request_id
+    progress = Progress()
     try:
         yield sse.retry_line(hint)  # how soon to come back
         while True:
@@ -128,9 +133,14 @@ async def _stream(
                 raise batch
             if render.coalesces and sub.queue.qsize() >= ctx.settings.coalesce_backlog:
                 batch = _catch_up(sub, batch)
-            out, ended = render.frames(batch)
+            sound = _sound(progress, batch)
+            out, ended = render.frames(batch[:sound])
             if out:
                 yield out
+            if sound < len(batch):  # a gap or a repeat: never sent, the stream ends
+                log.warning("request %s: its log does not follow on; ending the stream", rid)
+                yield render.lost()
+                return
             # the send completed: it reached the connection
             lease.delivered = max(lease.delivered, sum(render.reached.values()))
             if ended:
@@ -172,6 +182,15 @@ async def response_frames(
     render = _ResponseEvents(rid, created, after)
     async for out in _follow(ctx, created, None, render, lease=lease, logged=logged):
         yield out
+
+
+def _sound(progress: Progress, batch: Batch) -> int:
+    """How many of ``batch``'s events follow on from what was sent (all, but at a gap or
+    a repeat)."""
+    for i, (_eid, event) in enumerate(batch):
+        if not progress.follows(event):
+            return i
+    return len(batch)
 
 
 async def reader_lease(ctx: Context, rid: str, created: Created) -> Lease:
@@ -269,9 +288,15 @@ async def _until_end(ctx: Context, rid: str, lease: Lease, feed: Callable[[Event
     lease.adopted = True
     sub = ctx.tailer.subscribe(rid, None)
     READERS.inc()
+    progress = Progress()
     try:
         async for batch in _until_lost(sub):
             for _eid, event in batch:
+                if not progress.follows(event):  # a gap or a repeat: the answer is lost
+                    log.warning("request %s: its log does not follow on", rid)
+                    for lost in endings.lost_in_band():
+                        feed(lost)
+                    return
                 feed(event)
                 if isinstance(event, End):
                     lease.delivered = event.completion_tokens

@@ -104,6 +104,28 @@ def completion_tokens(events: Iterable[Event]) -> int:
     return sum(last.values())
 
 
+class Progress:
+    """How far each choice of a log has come, as a reader sends it. A delta starts where
+    the previous delta of its choice ended (its ``n`` less the ids it carries); one that
+    does not is a gap or a repeat -- a log that lost entries (Redis failed over before
+    they reached a replica), or a continuation spliced after a shortened log -- which a
+    reader must not send. A reader that starts mid-log checks from its first delta on."""
+
+    __slots__ = ("_n",)
+
+    def __init__(self) -> None:
+        self._n: dict[int, int] = {}
+
+    def follows(self, event: Event) -> bool:
+        if isinstance(event, Created):
+            self._n = dict.fromkeys(range(max(event.n, 1)), 0)
+        elif isinstance(event, Delta):
+            before = self._n.get(event.index)
+            self._n[event.index] = event.n
+            return before is None or event.n - len(event.token_ids) == before
+        return True
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Event)
 
