@@ -59,6 +59,13 @@ class Sweeper:
         self.takeover_wait_s = takeover_wait_s  # 0: until the request's deadline
         self.request_deadline_s = request_deadline_s
         self.swept = 0
+        # heartbeats are judged from then on (monotonic s): after a store outage, or a
+        # heartbeat hash the store lost, a live worker's heartbeat may look stale for a
+        # while (its beats could not be written, or were taken back): not before it has
+        # had ``stale_s`` of a reachable store to beat again
+        self._judge_from = 0.0
+        self._lost_contact = False
+        self._hash_lost = False
 
     async def run(self) -> None:
         while True:
@@ -69,13 +76,37 @@ class Sweeper:
                 await self.end_parked()
             except Exception:  # the next round tries again
                 log.warning("sweep failed", exc_info=True)
+                self.store_lost()
+
+    def store_lost(self) -> None:
+        """The store could not be asked (an outage, a failover): the time it was away does
+        not count towards a worker's staleness."""
+        self._lost_contact = True
+
+    async def _judging(self, consumers: int) -> bool:
+        """Whether heartbeats may be judged now: not for ``stale_s`` after the store was
+        away, nor after it lost the heartbeats of workers that still hold jobs."""
+        now = time.monotonic()
+        hash_lost = bool(consumers) and not await self.heartbeats.known()
+        if self._lost_contact or (hash_lost and not self._hash_lost):  # (once per loss)
+            self._lost_contact = False
+            self._judge_from = now + self.stale_s
+            log.warning(
+                "the store was away or lost the heartbeats: no takeover for %gs", self.stale_s
+            )
+        self._hash_lost = hash_lost
+        return now >= self._judge_from
 
     async def sweep(self) -> int:
         swept = 0
         now_ms = time.time() * 1000
         stale_ms = int(self.stale_s * 1000)
-        for part in self.queue.keys.all_partitions:
-            for consumer in await self.queue.consumers_with_pending(part):
+        parts = self.queue.keys.all_partitions
+        pending = {p: await self.queue.consumers_with_pending(p) for p in parts}
+        if not await self._judging(sum(len(c) for c in pending.values())):
+            return 0
+        for part in parts:
+            for consumer in pending[part]:
                 beat = await self.heartbeats.get(consumer)
                 alive = beat is not None and beat.fresh(now_ms, self.stale_s)
                 served = beat.running if alive and beat is not None else frozenset()

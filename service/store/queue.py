@@ -270,6 +270,10 @@ class Heartbeats:
     async def remove(self, worker_id: str) -> None:
         await self.redis.hdel(self.keys.workers, worker_id)
 
+    async def known(self) -> int:
+        """How many workers have a heartbeat (0 after a store lost the hash)."""
+        return int(await self.redis.hlen(self.keys.workers))
+
     async def get(self, worker_id: str) -> Heartbeat | None:
         raw = await self.redis.hget(self.keys.workers, worker_id)
         return None if raw is None else Heartbeat.decode(raw)

@@ -167,3 +167,25 @@ async def test_a_live_workers_running_jobs_are_left_alone(redis: Redis, key_pref
     assert [p.job.request_id for p in await queue.pending(0, "alive") if p.job] == [served]
     [(_, again)] = await queue.read(0, "other", count=1, block_ms=100)
     assert again.request_id == lost
+
+
+async def test_a_store_outage_is_not_staleness(redis: Redis, key_prefix: str):
+    """After the store was away (a failover, a restart), a worker whose last heartbeat
+    looks stale is not taken over until it had ``stale_s`` of a reachable store to beat
+    again; nor after the store lost the heartbeats of workers that hold jobs."""
+    keys = Keys(key_prefix)
+    log, queue, beats = RedisLog(redis, keys), RequestQueue(redis, keys), Heartbeats(redis, keys)
+    await queue.ensure_group()
+    rid = await submitted(log, queue)
+    await lose(log, queue, beats, rid, "alive")  # its heartbeat: a minute old
+    sweeper = Sweeper(log, queue, beats, sweeper_id="s1", stale_s=0.3)
+    sweeper.store_lost()  # (what the sweeper's loop calls when a round failed)
+    assert await sweeper.sweep() == 0
+    time.sleep(0.35)  # the store is back; the worker beats again, as a live one does
+    await beats.beat("alive", Heartbeat(1, 1, int(time.time() * 1000), 0, frozenset({rid})))
+    assert await sweeper.sweep() == 0  # alive: not taken over
+    # the store lost the heartbeats hash: not judged for stale_s either
+    await redis.delete(keys.workers)
+    assert await sweeper.sweep() == 0
+    time.sleep(0.35)  # and this worker never beat again: it is lost
+    assert await sweeper.sweep() == 1
