@@ -19,8 +19,11 @@ How one choice stopped (``workers/decide.py`` asks as each choice of a run stops
 
 and then the request's ending (``ran``): one choice's is the request's; n > 1 choices
 merge (usage summed; the first real error wins over the aborts it caused its siblings).
-Two outcomes of a run end nothing: a request its stopping worker hands over
-(``HandOver``: another worker continues it) and one another worker took (``FencedOut``).
+Three outcomes of a run end nothing: a request its stopping worker hands over
+(``HandOver``: another worker continues it), one another worker took (``FencedOut``),
+and one whose readers are gone (``Park``: it waits, out of the engine, for one to come
+back; ``window_over`` ends it when its resume window is over, ``cancelled_parked`` when
+it is cancelled meanwhile).
 """
 
 from __future__ import annotations
