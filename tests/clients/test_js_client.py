@@ -130,7 +130,11 @@ def test_stream_token_without_api_key(
     assert out["before"] + rest["text"] == QUESTION
     assert rest["state"] == "done" and rest["finishReason"] == "stop"
     keyless = [r for r in out["requests"] if not r["authorization"]]
-    assert keyless and all(r["token"] for r in keyless[:-1])  # the last: no token at all
+    # every keyless read carries the token, but the last: no token at all -- sent again
+    # only when the proxy cut its 401 (a cut of 300-3,000 bytes can fall inside it)
+    tokenless = [i for i, r in enumerate(keyless) if not r["token"]]
+    assert tokenless and tokenless == list(range(tokenless[0], len(keyless)))
+    assert tokenless[0] > 0 and (len(tokenless) == 1 or proxy.cuts > 0)
     assert out["status"]["state"] == "finished", out["status"]  # GET /v1/requests/{id}?token=
     assert out["noToken"] is not None and out["noToken"]["status"] == 401
 
