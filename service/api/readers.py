@@ -27,7 +27,7 @@ from service.store.pool import STORE_ERRORS
 from service.store.presence import Lease
 from service.store.tail import Subscription
 from service.stream import endings, sse
-from service.stream.events import Created, Delta, End, Error, Event, Progress
+from service.stream.events import Created, End, Error, Event, Progress
 from service.stream.ids import Cursor, EventId
 from service.stream.render import (
     ChunkRenderer,
@@ -61,13 +61,10 @@ class _Chunks:
         self.request_id = rid
         self._renderer = ChunkRenderer(rid, created)
         self._cursor = cursor
-        self.reached: dict[int, int] = {}  # per choice: the completion tokens sent
 
     def frames(self, batch: Batch) -> tuple[bytes, bool]:
         out: list[bytes] = []
         for eid, event in batch:
-            if isinstance(event, Delta):
-                self.reached[event.index] = max(self.reached.get(event.index, 0), event.n)
             out.extend(sse_event_frames(self._renderer, eid, event, self._cursor))
             if isinstance(event, End):
                 return b"".join(out), True
@@ -88,13 +85,10 @@ class _ResponseEvents:
         self.request_id = rid
         self._renderer = response_renderer(rid, created)
         self._after = after
-        self.reached: dict[int, int] = {}
 
     def frames(self, batch: Batch) -> tuple[bytes, bool]:
         out: list[Frame] = []
         for _eid, event in batch:
-            if isinstance(event, Delta):
-                self.reached[event.index] = max(self.reached.get(event.index, 0), event.n)
             fresh = self._renderer.feed(event)
             out += [f for f in fresh if self._after is None or f.sequence_number > self._after]
             if isinstance(event, End):
@@ -141,8 +135,8 @@ async def _stream(
                 log.warning("request %s: its log does not follow on; ending the stream", rid)
                 yield render.lost()
                 return
-            # the send completed: it reached the connection
-            lease.delivered = max(lease.delivered, sum(render.reached.values()))
+            # the send completed: what it carried reached the connection
+            lease.delivered = max(lease.delivered, progress.tokens)
             if ended:
                 lease.ended = True
                 return

@@ -109,7 +109,8 @@ class Progress:
     the previous delta of its choice ended (its ``n`` less the ids it carries); one that
     does not is a gap or a repeat -- a log that lost entries (Redis failed over before
     they reached a replica), or a continuation spliced after a shortened log -- which a
-    reader must not send. A reader that starts mid-log checks from its first delta on."""
+    reader must not send (nor count: a delta that does not follow on moves nothing). A
+    reader that starts mid-log checks from its first delta on."""
 
     __slots__ = ("_n",)
 
@@ -121,9 +122,15 @@ class Progress:
             self._n = dict.fromkeys(range(max(event.n, 1)), 0)
         elif isinstance(event, Delta):
             before = self._n.get(event.index)
+            if before is not None and event.n - len(event.token_ids) != before:
+                return False
             self._n[event.index] = event.n
-            return before is None or event.n - len(event.token_ids) == before
         return True
+
+    @property
+    def tokens(self) -> int:
+        """The completion tokens the deltas that followed on reached, all choices."""
+        return sum(self._n.values())
 
 
 _encoder = msgspec.msgpack.Encoder()
