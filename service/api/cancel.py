@@ -16,8 +16,6 @@ from service.api.request_ids import checked_request_id, no_such_request, owned
 from service.api.status import request_status
 from service.stream import endings
 from service.stream.endings import Ending
-from service.stream.events import Created, completion_tokens
-from service.stream.ids import EventId
 from service.stream.lifecycle import State
 
 STALE = "stale"  # cancel.lua: parked, and its log is not the one the ending was made from
@@ -47,21 +45,15 @@ async def cancel_request(ctx: Context, principal: Principal, request_id: str) ->
         if state == State.PARKED or outcome.outcome == STALE:
             # parked (before the cancel, or while its worker was being told): ended here,
             # with the ending of the log as it is
-            parked = await _parked(ctx, request_id, first, created)
+            parked = await _parked(ctx, request_id)
             outcome = await ctx.control.cancel(request_id, queued, parked)
             continue
         await asyncio.sleep(0.02)
 
 
-async def _parked(
-    ctx: Context, rid: str, first: tuple[EventId, Created] | None, created: Created
-) -> tuple[Ending, int] | None:
+async def _parked(ctx: Context, rid: str) -> tuple[Ending, int] | None:
     """The ending of the request if it is parked, and the log entries it was made from."""
-    meta = await ctx.log.meta(rid)
-    if meta is None or meta.state != State.PARKED:
+    w = await ctx.log.written(rid)
+    if w.meta is None or w.meta.state != State.PARKED:
         return None
-    entries = await ctx.log.read(rid)
-    now_ms = int(time.time() * 1000)
-    request = endings.Request(rid, first, created.prompt_tokens, now_ms, meta.recovery)
-    ending = endings.cancelled_parked(request, completion_tokens(e for _, e in entries))
-    return ending, meta.events
+    return endings.cancelled_parked(w.request, w.completion_tokens), w.meta.events

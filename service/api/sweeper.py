@@ -25,11 +25,9 @@ import time
 
 from service.api.metrics import REQUEUED
 from service.store.log import LogError, RedisLog
-from service.store.log_reads import created_of
 from service.store.queue import Heartbeats, Job, RequestQueue, wait_for_takeover
 from service.stream import endings
 from service.stream.endings import Failure
-from service.stream.events import completion_tokens
 from service.stream.lifecycle import Requeue, State
 
 log = logging.getLogger(__name__)
@@ -173,16 +171,11 @@ class Sweeper:
         ended = 0
         now_ms = int(time.time() * 1000)
         for rid in await self.queue.parked_due(now_ms):
-            meta = await self.log.meta(rid)
-            if meta is not None and meta.state == State.PARKED:
-                entries = await self.log.read(rid)
-                first = created_of(entries)
-                prompt = first[1].prompt_tokens if first is not None else 0
-                request = endings.Request(rid, first, prompt, now_ms, meta.recovery, "none")
-                logged = completion_tokens(e for _, e in entries)
-                ending = endings.window_over(request, logged, meta.delivered)
+            w = await self.log.written(rid, worker_id="none")
+            if w.meta is not None and w.meta.state == State.PARKED:
+                ending = endings.window_over(w.request, w.completion_tokens, w.meta.delivered)
                 try:
-                    await self.log.end(rid, meta.epoch, ending)
+                    await self.log.end(rid, w.meta.epoch, ending)
                     ended += 1
                 except LogError as exc:  # a reader came back (or it ended) meanwhile
                     log.info("request %s: not ended at its window's end: %s", rid, exc)

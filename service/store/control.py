@@ -119,17 +119,7 @@ class Control:
         keep_ms = self.retention.running_ttl_s * 1000
         wait_ms = self.retention.worker_wait_s * 1000
         calls = [
-            (
-                [
-                    *self._keys(rid),
-                    self.keys.queue_of(rid),
-                    self.keys.parked_of(rid),
-                    self.keys.log(rid),
-                    self.keys.tails(rid),
-                    self.keys.orphans_of(rid),
-                ],
-                [token, expiry_ms, delivered, now, rid, keep_ms, wait_ms],
-            )
+            (self.keys.parking(rid), [token, expiry_ms, delivered, now, rid, keep_ms, wait_ms])
             for rid, token, delivered in leases
         ]
         if not calls:

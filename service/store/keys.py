@@ -113,6 +113,19 @@ class Keys:
     def parked_of(self, request_id: str) -> str:
         return self.parked(self.partition(request_id))
 
+    def parking(self, request_id: str) -> list[str]:
+        """The keys of parking a request and of taking it back (``park.lua``'s and
+        ``lease.lua``'s KEYS, in order: all in its partition's slot)."""
+        return [
+            self.meta(request_id),
+            self.readers(request_id),
+            self.queue_of(request_id),
+            self.parked_of(request_id),
+            self.log(request_id),
+            self.tails(request_id),
+            self.orphans_of(request_id),
+        ]
+
     def outbox(self, partition: int) -> str:
         """A partition's terminal summaries, appended atomically with each terminal event
         (a stream; consumer group ``recorders``)."""

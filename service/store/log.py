@@ -21,7 +21,7 @@ from service.settings import Settings
 from service.store import replies, scripts
 from service.store.keys import Keys
 from service.store.limits import free_slots
-from service.store.log_reads import LogReader, created_of
+from service.store.log_reads import LogReader
 from service.stream import endings
 from service.stream import events as ev
 from service.stream.endings import Ending, Failure, Recovery
@@ -178,15 +178,7 @@ class RedisLog(LogReader):
         ``discarded``: tokens the owner made that are not in the log. Either way the owner
         is fenced out; ``Parked.window_ms`` is when its resume window is over."""
         rid = owner.request_id
-        keys = [
-            self.keys.meta(rid),
-            self.keys.readers(rid),
-            self.keys.queue_of(rid),
-            self.keys.parked_of(rid),
-            self.keys.log(rid),
-            self.keys.tails(rid),
-            self.keys.orphans_of(rid),
-        ]
+        keys = self.keys.parking(rid)
         now = int(time.time() * 1000)
         retention = self.retention
         keep_ms, wait_ms = retention.running_ttl_s * 1000, retention.worker_wait_s * 1000
@@ -334,21 +326,9 @@ class RedisLog(LogReader):
         """End a request its worker can no longer finish (it vanished, or failed): errored,
         with the token counts its log reached (``prompt_tokens`` if its ``created`` is
         gone) and its recovery counts. Raises like ``end``."""
-        entries = await self.read(request_id)
-        first = created_of(entries)
-        if first is not None:
-            prompt_tokens = first[1].prompt_tokens
-        meta = await self.meta(request_id)
-        request = endings.Request(
-            request_id,
-            first,
-            prompt_tokens,
-            now_ms=int(time.time() * 1000),
-            recovery=meta.recovery if meta is not None else Recovery(),
-            worker_id=worker_id,
-        )
-        completion = ev.completion_tokens(e for _, e in entries)
-        await self.end(request_id, epoch, endings.failed(request, failure, completion), ack=ack)
+        w = await self.written(request_id, worker_id=worker_id, prompt_tokens=prompt_tokens)
+        ending = endings.failed(w.request, failure, w.completion_tokens)
+        await self.end(request_id, epoch, ending, ack=ack)
 
     async def delete(self, request_id: str) -> None:
         """Remove an ended request's log and control keys (one slot: its hash tag)."""

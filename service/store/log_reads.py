@@ -4,6 +4,7 @@ one round trip for a reconnect. ``RedisLog`` (``log.py``) adds the writes."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,7 +13,7 @@ from redis.asyncio import Redis
 from service.store import replies
 from service.store.keys import EVENT_FIELD, Keys
 from service.stream import events as ev
-from service.stream.endings import Recovery
+from service.stream.endings import Recovery, Request
 from service.stream.ids import EventId
 from service.stream.lifecycle import Meta
 
@@ -41,10 +42,40 @@ class RequestMeta:
     delivered: int = 0  # the most completion tokens a reader's connection was sent
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Written:
+    """What a request's log and meta hash hold now, as an ending made outside its run needs
+    it (``endings.failed``, ``window_over``, ``cancelled_parked``): the request (its
+    ``created``, prompt tokens, recovery counts), the completion tokens its deltas
+    reached, and its meta hash (None: gone)."""
+
+    request: Request
+    completion_tokens: int
+    meta: RequestMeta | None
+
+
 class LogReader:
     def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
+
+    async def written(
+        self, request_id: str, *, worker_id: str | None = None, prompt_tokens: int = 0
+    ) -> Written:
+        """The request as its log and meta hash hold it now (``prompt_tokens``: if its
+        ``created`` is gone)."""
+        entries = await self.read(request_id)
+        meta = await self.meta(request_id)
+        first = created_of(entries)
+        request = Request(
+            request_id,
+            first,
+            first[1].prompt_tokens if first is not None else prompt_tokens,
+            now_ms=int(time.time() * 1000),
+            recovery=meta.recovery if meta is not None else Recovery(),
+            worker_id=worker_id,
+        )
+        return Written(request, ev.completion_tokens(e for _, e in entries), meta)
 
     async def meta(self, request_id: str) -> RequestMeta | None:
         raw = await self.redis.hgetall(self.keys.meta(request_id))
@@ -105,10 +136,7 @@ class LogReader:
         return None if found is None else found[1]
 
     async def first_with_id(self, request_id: str) -> tuple[EventId, ev.Created] | None:
-        entries = await self.read(request_id, count=1)
-        if not entries or not isinstance(entries[0][1], ev.Created):
-            return None
-        return entries[0][0], entries[0][1]
+        return created_of(await self.read(request_id, count=1))
 
     async def last(self, request_id: str) -> tuple[EventId, ev.Event] | None:
         raw: Any = await self.redis.xrevrange(self.keys.log(request_id), count=1)
