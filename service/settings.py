@@ -69,6 +69,10 @@ class Settings:
     worker_heartbeat_s: float = 1.0  # how often a worker says it is alive (< worker_stale_s)
 
     # event log
+    # what a reader may be sent (service/store/commit.py): memory (whatever Redis
+    # answered) | disk (fsynced in the primary's AOF) | replica (a replica has it too)
+    durability: str = "disk"
+    commit_timeout_ms: int = 1000  # a commit barrier not confirmed in this long: 503 / retry
     hot_log_ttl_s: int = 3600  # the log stays in Redis this long after its terminal event
     unstored_ttl_s: int = 30  # ... and this long for a ``store: false`` response (readers
     # between connections can still finish reading it)

@@ -15,6 +15,8 @@ from redis.asyncio import Redis
 from service import aio
 from service.ledger.ledger import Ledger, make_engine
 from service.settings import Settings
+from service.store import commit
+from service.store.commit import Committer
 from service.store.keys import Keys
 from service.store.log import RedisLog
 from service.store.outbox import Outbox
@@ -65,11 +67,14 @@ def build_engine(settings: Settings, model: ModelInfo) -> Engine:
     )
 
 
-def build_recorder(settings: Settings, redis: Redis, ledger: Ledger) -> Recorder:
+def build_recorder(
+    settings: Settings, redis: Redis, ledger: Ledger, committer: Committer | None = None
+) -> Recorder:
     keys = Keys(settings.key_prefix, settings.partitions)
+    committer = committer or commit.of(settings, redis, keys)
     return Recorder(
-        Outbox(redis, keys),
-        RedisLog(redis, keys),
+        Outbox(redis, keys, committer),
+        RedisLog(redis, keys, committer=committer),
         ledger,
         consumer=settings.worker_id,
         claim_idle_ms=settings.recorder_claim_idle_ms,
@@ -84,14 +89,15 @@ async def serve(settings: Settings) -> None:
     serve_metrics(settings.metrics_port, settings.host)
     model = ModelInfo.load(settings.resolved_model_dir, settings.model_name)
     engine = build_engine(settings, model)
-    await engine.start()
     redis = connect(settings.redis_url, max_connections=64, cluster=settings.redis_cluster)
     await warm(redis)
     runner = Runner(settings, redis, engine, model)
+    await commit.started(runner.log.committer, "worker")  # (before minutes of engine load)
+    await engine.start()
     db = make_engine(settings.database_url) if settings.database_url else None
     recorder = None
     if db is not None and settings.recorder_in_worker:
-        recorder = build_recorder(settings, redis, Ledger(db))
+        recorder = build_recorder(settings, redis, Ledger(db), runner.log.committer)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, runner.stop)
@@ -154,6 +160,7 @@ async def serve_recorder(settings: Settings) -> None:
     await warm(redis)
     db = make_engine(settings.database_url)
     recorder = build_recorder(settings, redis, Ledger(db))
+    await commit.started(recorder.outbox.committer, "recorder")
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, recorder.stop)

@@ -23,6 +23,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from service.settings import Settings
+from service.store import commit
 from service.store.batcher import AppendBatcher
 from service.store.control import Control
 from service.store.keys import Keys
@@ -47,7 +48,7 @@ class Runner:
         self.settings = settings
         self.engine = engine
         self.keys = keys = Keys(settings.key_prefix, settings.partitions)
-        self.log = RedisLog(redis, keys, Retention.of(settings))
+        self.log = RedisLog(redis, keys, Retention.of(settings), commit.of(settings, redis, keys))
         self.queue = RequestQueue(redis, keys)
         self.heartbeats = Heartbeats(redis, keys)
         self.control = Control(redis, keys)

@@ -37,6 +37,8 @@ from service.errors import ApiError, ServiceUnavailable, Unauthorized
 from service.ledger.api_keys import ApiKeys
 from service.ledger.ledger import Ledger, PostgresUnavailable, make_engine
 from service.settings import Settings
+from service.store import commit
+from service.store.commit import Committer
 from service.store.control import Control
 from service.store.keys import Keys
 from service.store.limits import Limits
@@ -177,8 +179,11 @@ async def serving(settings: Settings, model: ModelInfo, drain: Drain) -> AsyncIt
     )
     await warm(redis)
     await warm(tail_redis)
+    keys = Keys(settings.key_prefix, settings.partitions)
+    committer = commit.of(settings, redis, keys)
+    await commit.started(committer, "api")
     ledger = Ledger(make_engine(settings.database_url)) if settings.database_url else None
-    ctx = _context(settings, model, drain, redis, tail_redis, ledger)
+    ctx = _context(settings, model, drain, (redis, tail_redis, committer), ledger)
     drain.bind(asyncio.get_running_loop())
     assert drain.future is not None
     drain.future.add_done_callback(lambda _f: ctx.tailer.interrupt())
@@ -215,11 +220,11 @@ def _context(
     settings: Settings,
     model: ModelInfo,
     drain: Drain,
-    redis: Redis,
-    tail_redis: Redis,
+    stores: tuple[Redis, Redis, Committer],
     ledger: Ledger | None,
 ) -> Context:
-    keys = Keys(settings.key_prefix, settings.partitions)
+    redis, tail_redis, committer = stores
+    keys = committer.keys
     tailer = LogTailer(
         tail_redis,
         keys,
@@ -228,13 +233,14 @@ def _context(
         shard_size=settings.tail_shard_size,
         keepalive_s=settings.keepalive_s,
         writer=redis,
+        committer=committer,
     )
     retention = Retention.of(settings)
     control = Control(redis, keys, retention)
     return Context(
         settings=settings,
         redis=redis,
-        log=RedisLog(redis, keys, retention),
+        log=RedisLog(redis, keys, retention, committer),
         tailer=tailer,
         model=model,
         ledger=ledger,

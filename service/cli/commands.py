@@ -14,6 +14,7 @@ from service.cli import billing
 from service.ledger.api_keys import ApiKeys
 from service.ledger.ledger import Ledger, make_engine
 from service.settings import Settings
+from service.store import commit
 from service.store.keys import Keys
 from service.store.log import RedisLog
 from service.store.outbox import Outbox
@@ -65,8 +66,9 @@ class Stores:
         self.redis = connect(settings.redis_url, max_connections=4, cluster=settings.redis_cluster)
         self.engine = make_engine(settings.database_url)
         keys = Keys(settings.key_prefix, settings.partitions)
-        self.log = RedisLog(self.redis, keys)
-        self.outbox = Outbox(self.redis, keys)
+        committer = commit.of(settings, self.redis, keys)  # replays show what is committed
+        self.log = RedisLog(self.redis, keys, committer=committer)
+        self.outbox = Outbox(self.redis, keys, committer)
         self.ledger = Ledger(self.engine)
 
     async def close(self) -> None:

@@ -134,6 +134,11 @@ class Keys:
     def outbox_of(self, request_id: str) -> str:
         return self.outbox(self.partition(request_id))
 
+    def commit(self, partition: int) -> str:
+        """A counter in the partition's slot that readers bump as a commit barrier
+        (``commit.py``): what they read before it is committed once it is."""
+        return f"{self._p(partition)}:commit"
+
     def scratch(self, request_id: str) -> str:
         """Where a terminal script copies the finished log to right-size it (never left set)."""
         return f"{self._r(request_id)}:scratch"

@@ -19,6 +19,7 @@ from redis.exceptions import ResponseError
 
 from service.settings import Settings
 from service.store import replies, scripts
+from service.store.commit import Committer
 from service.store.keys import Keys
 from service.store.limits import free_slots
 from service.store.log_reads import LogReader
@@ -96,8 +97,14 @@ class Retention:
 class RedisLog(LogReader):
     """A request's log: every write (reads: ``LogReader``)."""
 
-    def __init__(self, redis: Redis, keys: Keys, retention: Retention | None = None) -> None:
-        super().__init__(redis, keys)
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        retention: Retention | None = None,
+        committer: Committer | None = None,
+    ) -> None:
+        super().__init__(redis, keys, committer)
         self.retention = retention or Retention()
         self._create = scripts.register(redis, "create")
         self._claim = scripts.register(redis, "claim")

@@ -11,6 +11,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from service.store import replies
+from service.store.commit import Committer, Durability
 from service.store.keys import EVENT_FIELD, Keys
 from service.stream import events as ev
 from service.stream.endings import Recovery, Request
@@ -55,9 +56,19 @@ class Written:
 
 
 class LogReader:
-    def __init__(self, redis: Redis, keys: Keys) -> None:
+    """Every read that answers a client returns only what is committed at the
+    ``committer``'s durability level (``commit.py``: confirmed after the read)."""
+
+    def __init__(self, redis: Redis, keys: Keys, committer: Committer | None = None) -> None:
         self.redis = redis
         self.keys = keys
+        self.committer = committer or Committer(redis, keys, Durability.MEMORY)
+
+    async def _committed(self, request_id: str, mark: str) -> None:
+        await self.committer.confirm(self.keys.partition(request_id), mark)
+
+    def _mark(self, request_id: str) -> str:
+        return self.committer.mark(self.keys.partition(request_id))
 
     async def written(
         self, request_id: str, *, worker_id: str | None = None, prompt_tokens: int = 0
@@ -78,7 +89,9 @@ class LogReader:
         return Written(request, ev.completion_tokens(e for _, e in entries), meta)
 
     async def meta(self, request_id: str) -> RequestMeta | None:
+        mark = self._mark(request_id)
         raw = await self.redis.hgetall(self.keys.meta(request_id))
+        await self._committed(request_id, mark)
         if not raw:
             return None
 
@@ -107,12 +120,16 @@ class LogReader:
         self, request_id: str, after: EventId | None = None, count: int | None = None
     ) -> list[tuple[EventId, ev.Event]]:
         start = "-" if after is None else f"({after}"
+        mark = self._mark(request_id)
         raw: Any = await self.redis.xrange(self.keys.log(request_id), min=start, count=count)
+        await self._committed(request_id, mark)
         return _entries(raw)
 
     async def read_raw(self, request_id: str) -> list[tuple[EventId, bytes]]:
         """Every entry's id and payload bytes, as stored (what the archive keeps)."""
+        mark = self._mark(request_id)
         raw: Any = await self.redis.xrange(self.keys.log(request_id))
+        await self._committed(request_id, mark)
         return [(_decode_id(entry_id), fields[EVENT_FIELD]) for entry_id, fields in raw]
 
     async def look(
@@ -126,7 +143,9 @@ class LogReader:
         if event_id is not None:
             pipe.xrange(key, min=str(event_id), max=str(event_id), count=1)
         pipe.xrevrange(key, count=1)
+        mark = self._mark(request_id)
         results: Any = await pipe.execute()
+        await self._committed(request_id, mark)
         first, last = _entries(results[0]), _entries(results[-1])
         found = bool(results[1]) if event_id is not None else False
         return (first[0] if first else None), found, (last[0] if last else None)
@@ -139,6 +158,8 @@ class LogReader:
         return created_of(await self.read(request_id, count=1))
 
     async def last(self, request_id: str) -> tuple[EventId, ev.Event] | None:
+        mark = self._mark(request_id)
         raw: Any = await self.redis.xrevrange(self.keys.log(request_id), count=1)
+        await self._committed(request_id, mark)
         entries = _entries(raw)
         return entries[0] if entries else None

@@ -13,6 +13,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from service.store import groups, replies
+from service.store.commit import Committer, Durability
 from service.store.keys import END_ID_FIELD, RECORDER_GROUP, SUMMARY_FIELD, Keys
 from service.stream.events import Summary, decode_summary, encode_summary
 from service.stream.ids import EventId
@@ -30,9 +31,12 @@ def _entry(entry_id: bytes, fields: dict[bytes, bytes] | None) -> Entry:
 class Outbox:
     """The partitions' outboxes (an entry goes to its request's partition)."""
 
-    def __init__(self, redis: Redis, keys: Keys) -> None:
+    def __init__(self, redis: Redis, keys: Keys, committer: Committer | None = None) -> None:
         self.redis = redis
         self.keys = keys
+        # a recorder bills only committed ends (``commit.py``): an end a crash could take
+        # back is read again once it is committed, or never billed
+        self.committer = committer or Committer(redis, keys, Durability.MEMORY)
 
     async def ensure_group(self) -> None:
         for p in self.keys.all_partitions:
@@ -42,7 +46,9 @@ class Outbox:
         self, partition: int, consumer: str, count: int, *, pending: bool, block_ms: int
     ) -> list[Entry]:
         """``pending``: this consumer's own unacked entries of a partition, oldest first
-        (no wait); otherwise new entries, waiting up to ``block_ms`` for one."""
+        (no wait); otherwise new entries, waiting up to ``block_ms`` for one. Raises
+        ``Uncommitted`` if they cannot be confirmed committed (they stay pending)."""
+        mark = self.committer.mark(partition)
         entries = await groups.read(
             self.redis,
             self.keys.outbox(partition),
@@ -52,6 +58,8 @@ class Outbox:
             count=count,
             block_ms=block_ms,
         )
+        if entries:
+            await self.committer.confirm(partition, mark)
         return [_entry(eid, fields) for eid, fields in entries]
 
     async def claim_idle(self, partition: int, consumer: str, min_idle_ms: int, count: int) -> int:
@@ -89,6 +97,7 @@ class Outbox:
         for p in self.keys.all_partitions:
             pipe.xrange(self.keys.outbox(p), min=f"{since_ms}-0", max="+")
         found: Any = await pipe.execute()
+        await self.committer.confirm_all(self.keys.all_partitions)
         out = []
         for raw in found:
             for entry_id, fields in raw:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from redis.asyncio import Redis
 
 from service.store import replies, scripts
+from service.store.commit import Committer
 from service.store.keys import LOG_FIELD, Keys
 from service.store.pool import STORE_ERRORS, survived
 from service.stream import events as ev
@@ -52,6 +53,7 @@ class Shard:
         block_ms: int,
         count: int,
         sweep_s: float,
+        committer: Committer,
     ) -> None:
         self._redis = redis
         self._reader = reader
@@ -59,6 +61,7 @@ class Shard:
         self._block_ms = block_ms
         self._count = count
         self._sweep_s = sweep_s
+        self._committer = committer
         self.partition = partition
         self._wake_key = keys.wake(partition, uuid.uuid4().hex)
         self._wake_last = b"0-0"
@@ -201,7 +204,10 @@ class Shard:
         streams = {key: self._positions[key] for key in keys}
         names: dict[Any, Any] = streams
         try:
+            mark = self._committer.mark(self.partition)
             reply: Any = await self._reader.xread(names, count=self._count)
+            # nothing goes out before it is committed (``commit.py``)
+            await self._committer.confirm(self.partition, mark)
         except BaseException:
             self._dirty |= set(keys)  # read them when the store answers again
             raise

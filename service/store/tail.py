@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from redis.asyncio import Redis
 
 from service.store import replies
+from service.store.commit import Committer, Durability
 from service.store.keys import Keys
 from service.store.mailbox import IDLE, Batch, Interrupted, LogLost, Mailbox
 from service.store.pool import STORE_ERRORS, is_cluster, survived
@@ -94,11 +95,13 @@ class LogTailer:
         shard_size: int = 1000,
         keepalive_s: float | None = None,
         writer: Redis | None = None,
+        committer: Committer | None = None,
     ) -> None:
         """``redis`` holds one connection per shard in ``XREAD BLOCK`` (so its pool caps the
         shards: 64 connections, ~63,000 followed logs); ``writer`` (default ``redis``) sends
         the wakes, so that they never queue behind blocked reads."""
         self._redis = writer or redis
+        self._committer = committer or Committer(self._redis, keys, Durability.MEMORY)
         # the same pool, but XREAD replies left as Redis sent them: redis-py's reply
         # parsing (a dict per entry) cost more than the read itself with 500 streams
         if is_cluster(redis):  # (a cluster client has a pool per node: this client's own)
@@ -215,6 +218,7 @@ class LogTailer:
                     self._block_ms,
                     self._count,
                     SWEEP_S,
+                    self._committer,
                 )
                 self._shards.append(shard)
             self._shard_of[key] = shard

@@ -125,8 +125,11 @@ def make_stack(
         "coalesce_backlog": 1_000_000,
         "metrics_port": 0,  # several workers on one machine; tests that scrape pass a port
     }
+    # the shared Redis of the main tier has no AOF: readers get what it answered; the
+    # cluster tier's has a replica per primary: what a replica received
+    values["durability"] = "memory"
     if CLUSTER:
-        values.update(redis_cluster=True, partitions=6)
+        values.update(redis_cluster=True, partitions=6, durability="replica")
     values.update(settings)
     s = Settings(**values)  # type: ignore[arg-type]
     logs = tmp / "logs"

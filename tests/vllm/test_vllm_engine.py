@@ -149,6 +149,7 @@ async def test_runner_appends_one_step_of_all_requests_in_one_round_trip(
     from workers.runner import Runner
 
     settings = Settings(
+        durability="memory",
         redis_url=redis_url,
         key_prefix=key_prefix,
         data_dir=tmp_path,

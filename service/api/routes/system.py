@@ -15,7 +15,7 @@ from service.api.auth import Principal
 from service.api.context import Context
 from service.api.schemas import ErrorResponse, error_responses
 from service.errors import NotFound
-from service.store import pool
+from service.store import commit, pool
 
 _STARTED = int(time.time())
 VERSION = importlib.metadata.version("lastevent")
@@ -67,15 +67,28 @@ class SystemController(Controller):
     async def healthz(self) -> dict[str, str]:
         return {"status": "ok"}
 
-    @get("/readyz", summary="Redis and Postgres answer")
+    @get("/readyz", summary="Redis and Postgres answer, at the durability level in force")
     async def readyz(self, ctx: Context) -> Response[dict[str, Any]]:
         checks: dict[str, str] = {}
         checks["redis"] = await pool.check(ctx.redis)
+        durability = {"level": str(ctx.log.committer.level), "how": ""}
+        if checks["redis"] == "ok":
+            try:
+                durability["how"] = await ctx.log.committer.check()
+                checks["durability"] = "ok"
+            except commit.Misconfigured as exc:  # a replica went away since the start
+                checks["durability"] = f"error: {exc}"
+            except pool.STORE_ERRORS as exc:
+                checks["durability"] = f"error: {exc}"
         if ctx.ledger is not None:
             checks["postgres"] = await ctx.ledger.check()
         ready = all(v == "ok" for v in checks.values())
         return Response(
-            {"status": "ready" if ready else "unavailable", "checks": checks},
+            {
+                "status": "ready" if ready else "unavailable",
+                "checks": checks,
+                "durability": durability,
+            },
             status_code=200 if ready else 503,
         )
 

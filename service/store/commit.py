@@ -1,0 +1,276 @@
+"""Committed reads: nothing is shown that Redis could still take back.
+
+A write is *committed* at a durability level once the servers keep it through the fault
+that level is for: ``memory`` -- a write Redis answered (a crash or a failover may take
+the last of them back); ``disk`` -- in the primary's fsynced AOF (``WAITAOF 1 0``); a
+host crash keeps it; ``replica`` -- received by a replica too (``WAIT 1``), so a failover
+to an in-sync replica keeps it.
+
+What a reader is sent (a stream, a resume, an aggregate answer, a replay, the recorder's
+billing rows and archive) is confirmed after it was read: the process writes a tiny
+*barrier* on the node that holds the partition and waits, on the same connection, until
+that write is committed (``WAIT``/``WAITAOF`` wait for the caller's own last write). Redis
+applies one command at a time, so every entry the read returned came before the barrier
+in the node's replication stream and AOF: once the barrier is committed, they are. One
+barrier in flight confirms every read that finished before it was sent (group commit:
+one round trip per batch of reads, never per token); the log needs no commit point of its
+own that a crash could lose in turn. A barrier that cannot be confirmed in time raises
+``Uncommitted`` (a store error: readers wait and try again, the API answers 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import PipelineCommand, RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+from service.settings import Settings
+from service.store import replies
+from service.store.keys import Keys
+from service.store.pool import STORE_ERRORS
+
+log = logging.getLogger(__name__)
+
+
+class Durability(enum.StrEnum):
+    MEMORY = "memory"
+    DISK = "disk"
+    REPLICA = "replica"
+
+
+class Uncommitted(RedisConnectionError):
+    """What was read could not be confirmed committed in time (a replica is away, the
+    AOF cannot be fsynced): treated like an unreachable store."""
+
+
+class Misconfigured(Exception):
+    """The servers cannot give the durability level asked for (no AOF, no replica)."""
+
+
+def level(name: str) -> Durability:
+    try:
+        return Durability(name)
+    except ValueError:
+        raise SystemExit(
+            f"LASTEVENT_DURABILITY={name!r}: one of {', '.join(d.value for d in Durability)}"
+        ) from None
+
+
+def of(settings: Settings, redis: Redis, keys: Keys) -> Committer:
+    """The committer of a process with these settings."""
+    return Committer(redis, keys, level(settings.durability), timeout_ms=settings.commit_timeout_ms)
+
+
+async def started(committer: Committer, what: str) -> None:
+    """Check the level at a process's start: refuse to start (a clear message) if the
+    servers cannot give it; if they cannot be reached yet, say so and go on (``/readyz``
+    checks again, barriers fail until they answer)."""
+    try:
+        how = await committer.check()
+    except Misconfigured as exc:
+        raise SystemExit(f"{what}: {exc}") from None
+    except STORE_ERRORS as exc:
+        log.warning(
+            "%s: durability %s not checked, Redis does not answer: %s", what, committer.level, exc
+        )
+        return
+    log.info("%s: durability %s", what, how)
+
+
+class Committer:
+    """Confirms, per partition, that what this process has read is committed."""
+
+    def __init__(
+        self, redis: Redis, keys: Keys, level: Durability, *, timeout_ms: int = 1000
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.level = level
+        self.timeout_ms = timeout_ms
+        # disk on a server that fsyncs before it answers (appendfsync always, or a Redis
+        # without WAITAOF): every answer already follows the fsync of what it shows
+        self.fsync_always = False
+        self._checked = False
+        self._waiting: dict[int, list[asyncio.Future[None]]] = {}  # for the next barrier
+        self._busy: set[int] = set()  # partitions with a barrier on its way
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.barriers = 0  # barriers sent (tests, benchmarks)
+
+    @property
+    def needed(self) -> bool:
+        return self.level is not Durability.MEMORY and not self.fsync_always
+
+    def mark(self, partition: int) -> str:
+        """Which node serves ``partition`` now (take it before a read, hand it to
+        ``confirm``): on a cluster, a read made on a primary that failed over before the
+        barrier went to the new one must not be confirmed by the new one's barrier."""
+        client: object = self.redis
+        if not self.needed or not isinstance(client, RedisCluster):
+            return ""
+        node = client.get_node_from_key(self.keys.commit(partition))
+        return str(node.name) if node is not None else ""
+
+    async def confirm(self, partition: int, mark: str = "") -> None:
+        """Return once everything this process read from ``partition``'s node before the
+        call (and since ``mark``) is committed; raise ``Uncommitted`` (or the store's
+        error) if it cannot be."""
+        if not self._checked and self.level is not Durability.MEMORY:
+            await self.check()  # (how the level is given: a process that did not ask yet)
+        if not self.needed:
+            return
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        # a barrier already on its way does not cover this read: the next one does
+        self._waiting.setdefault(partition, []).append(future)
+        if partition not in self._busy:
+            self._busy.add(partition)
+            task = loop.create_task(self._barriers(partition), name="commit-barrier")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        await future
+        if mark != self.mark(partition):
+            raise Uncommitted(f"partition {partition} moved to another node while it was read")
+
+    async def confirm_all(self, partitions: list[int] | range) -> None:
+        await asyncio.gather(*(self.confirm(p) for p in partitions))
+
+    async def _barriers(self, partition: int) -> None:
+        """Barriers for ``partition`` while reads wait for one, each for all that came
+        before it was sent."""
+        try:
+            while waiting := self._waiting.pop(partition, []):
+                try:
+                    await self._send(partition)
+                except Exception as exc:  # noqa: BLE001 - each waiter gets it raised
+                    for future in waiting:
+                        if not future.done():
+                            future.set_exception(exc)
+                    continue
+                for future in waiting:
+                    if not future.done():
+                        future.set_result(None)
+        finally:
+            self._busy.discard(partition)
+
+    async def _send(self, partition: int) -> None:
+        self.barriers += 1
+        key = self.keys.commit(partition)
+        wait: tuple[Any, ...]
+        if self.level is Durability.DISK:
+            wait = ("WAITAOF", 1, 0, self.timeout_ms)
+        else:
+            wait = ("WAIT", 1, self.timeout_ms)
+        reply = await _on_one_connection(self.redis, key, [("INCR", key), wait])
+        acked = reply[1]
+        ok = (
+            replies.integer(acked[0]) >= 1
+            if self.level is Durability.DISK
+            else replies.integer(acked) >= 1
+        )
+        if not ok:
+            raise Uncommitted(
+                f"not committed at {self.level} within {self.timeout_ms} ms (reply {acked!r})"
+            )
+
+    async def check(self) -> str:
+        """Whether every primary can give this level: raises ``Misconfigured`` (what is
+        missing) if not; returns how it is given (the startup log, ``/readyz``)."""
+        how = await self._check()
+        self._checked = True
+        return how
+
+    async def _check(self) -> str:
+        if self.level is Durability.MEMORY:
+            return "memory: a crash or a failover may take back what readers were sent"
+        infos = await _primaries_info(self.redis)
+        if self.level is Durability.DISK:
+            missing = [name for name, info in infos if info.get("aof_enabled") != "1"]
+            if missing:
+                raise Misconfigured(
+                    "LASTEVENT_DURABILITY=disk needs the AOF (appendonly yes) on every "
+                    f"primary; it is off on {', '.join(missing)}"
+                )
+            modes = {name: await _appendfsync(self.redis, name) for name, _ in infos}
+            waitaof = all(_has_waitaof(info) for _, info in infos)
+            if all(mode == "always" for mode in modes.values()):
+                self.fsync_always = True
+                return "disk: appendfsync always (every answer follows its fsync)"
+            if not waitaof:
+                raise Misconfigured(
+                    "LASTEVENT_DURABILITY=disk needs WAITAOF (Redis 7.2+, Valkey) or "
+                    f"appendfsync always; appendfsync is {modes}"
+                )
+            return "disk: readers are sent what WAITAOF confirmed fsynced on the primary"
+        lonely = [name for name, info in infos if int(info.get("connected_slaves", "0")) < 1]
+        if lonely:
+            raise Misconfigured(
+                "LASTEVENT_DURABILITY=replica needs a connected replica of every primary; "
+                f"none on {', '.join(lonely)}"
+            )
+        return "replica: readers are sent what WAIT confirmed a replica received"
+
+
+async def _on_one_connection(redis: Redis, key: str, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """``commands`` in order on one connection to the node that holds ``key`` (``WAIT`` and
+    ``WAITAOF`` wait for the write of their own connection); a redirect is an error here,
+    never a retry elsewhere, which would confirm nothing."""
+    client: object = redis
+    if isinstance(client, RedisCluster):
+        node = client.get_node_from_key(key)
+        if node is None:
+            raise Uncommitted(f"no node serves {key} now")
+        batch = [PipelineCommand(i, *args) for i, args in enumerate(commands)]
+        await node.execute_pipeline(batch)
+        for cmd in batch:
+            if isinstance(cmd.result, Exception):
+                raise Uncommitted(f"barrier on {node.name}: {cmd.result}") from cmd.result
+        return [cmd.result for cmd in batch]
+    pipe = redis.pipeline(transaction=False)
+    for args in commands:
+        pipe.execute_command(*args)
+    out: list[Any] = await pipe.execute()
+    return out
+
+
+async def _primaries_info(redis: Redis) -> list[tuple[str, dict[str, str]]]:
+    client: object = redis
+    if isinstance(client, RedisCluster):
+        out = []
+        for node in client.get_primaries():
+            info = await client.info(target_nodes=node)
+            out.append((node.name, _flat(info)))
+        return out
+    return [("redis", _flat(await redis.info()))]
+
+
+def _flat(info: Any) -> dict[str, str]:
+    return {str(k): str(v) for k, v in dict(info).items()}
+
+
+def _has_waitaof(info: dict[str, str]) -> bool:
+    version = info.get("valkey_version") or info.get("redis_version") or "0"
+    major, minor = (int(x) for x in [*version.split("."), "0"][:2])
+    return bool(info.get("valkey_version")) or (major, minor) >= (7, 2)
+
+
+async def _appendfsync(redis: Redis, node_name: str) -> str:
+    """The node's ``appendfsync`` ("" where CONFIG is not allowed: a managed service)."""
+    client: object = redis
+    try:
+        if isinstance(client, RedisCluster):
+            node = client.get_node(node_name=node_name)
+            found: Any = await client.config_get("appendfsync", target_nodes=node)
+        else:
+            found = await redis.config_get("appendfsync")
+    except ResponseError:
+        return ""
+    except STORE_ERRORS as exc:
+        log.warning("cannot read appendfsync of %s: %s", node_name, exc)
+        return ""
+    return replies.text(dict(found).get("appendfsync", "")) if found else ""
