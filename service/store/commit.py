@@ -2,20 +2,28 @@
 
 A write is *committed* at a durability level once the servers keep it through the fault
 that level is for: ``memory`` -- a write Redis answered (a crash or a failover may take
-the last of them back); ``disk`` -- in the primary's fsynced AOF (``WAITAOF 1 0``); a
-host crash keeps it; ``replica`` -- received by a replica too (``WAIT 1``), so a failover
-to an in-sync replica keeps it.
+the last of them back); ``disk`` -- in the primary's fsynced AOF, so a host crash keeps
+it: given by ``appendfsync always``, under which Redis answers nobody before the fsync of
+what the answer shows (one fsync per event-loop turn, for all its clients); ``replica``
+-- received by a replica too (``WAIT 1``), so a failover to an in-sync replica keeps it.
 
-What a reader is sent (a stream, a resume, an aggregate answer, a replay, the recorder's
-billing rows and archive) is confirmed after it was read: the process writes a tiny
-*barrier* on the node that holds the partition and waits, on the same connection, until
-that write is committed (``WAIT``/``WAITAOF`` wait for the caller's own last write). Redis
-applies one command at a time, so every entry the read returned came before the barrier
-in the node's replication stream and AOF: once the barrier is committed, they are. One
-barrier in flight confirms every read that finished before it was sent (group commit:
-one round trip per batch of reads, never per token); the log needs no commit point of its
-own that a crash could lose in turn. A barrier that cannot be confirmed in time raises
-``Uncommitted`` (a store error: readers wait and try again, the API answers 503).
+``disk`` with ``appendfsync everysec`` is refused: ``WAITAOF`` would have to wait up to a
+second for the next fsync, and on the servers with redis/redis#13793 (Valkey 9.1.2, the
+embedded one, among them) it confirms writes that were never fsynced -- measured with an
+fsync-noting preload (``tests/native/fsync_log.c``): eight ``WAITAOF 1 0`` confirmed in
+50 ms each while no fsync ran, and a simulated host crash lost events readers were sent.
+
+For ``replica``, what a reader is sent (a stream, a resume, an aggregate answer, a
+replay, the recorder's billing rows and archive) is confirmed after it was read: the
+process writes a tiny *barrier* on the node that holds the partition and waits, on the
+same connection, until a replica acknowledged it (``WAIT`` waits for the caller's own
+last write). Redis applies one command at a time, so every entry the read returned came
+before the barrier in the node's replication stream: once the barrier is acknowledged,
+they are. One barrier in flight confirms every read that finished before it was sent
+(group commit: one round trip per batch of reads, never per token); the log needs no
+commit point of its own that a failover could lose in turn. A barrier that cannot be
+confirmed in time raises ``Uncommitted`` (a store error: readers wait and try again, the
+API answers 503).
 """
 
 from __future__ import annotations
@@ -161,22 +169,11 @@ class Committer:
     async def _send(self, partition: int) -> None:
         self.barriers += 1
         key = self.keys.commit(partition)
-        wait: tuple[Any, ...]
-        if self.level is Durability.DISK:
-            wait = ("WAITAOF", 1, 0, self.timeout_ms)
-        else:
-            wait = ("WAIT", 1, self.timeout_ms)
-        reply = await _on_one_connection(self.redis, key, [("INCR", key), wait])
-        acked = reply[1]
-        ok = (
-            replies.integer(acked[0]) >= 1
-            if self.level is Durability.DISK
-            else replies.integer(acked) >= 1
+        reply = await _on_one_connection(
+            self.redis, key, [("INCR", key), ("WAIT", 1, self.timeout_ms)]
         )
-        if not ok:
-            raise Uncommitted(
-                f"not committed at {self.level} within {self.timeout_ms} ms (reply {acked!r})"
-            )
+        if replies.integer(reply[1]) < 1:
+            raise Uncommitted(f"no replica acknowledged within {self.timeout_ms} ms")
 
     async def check(self) -> str:
         """Whether every primary can give this level: raises ``Misconfigured`` (what is
@@ -193,20 +190,20 @@ class Committer:
             missing = [name for name, info in infos if info.get("aof_enabled") != "1"]
             if missing:
                 raise Misconfigured(
-                    "LASTEVENT_DURABILITY=disk needs the AOF (appendonly yes) on every "
-                    f"primary; it is off on {', '.join(missing)}"
+                    "LASTEVENT_DURABILITY=disk needs the AOF (appendonly yes, appendfsync "
+                    f"always) on every primary; it is off on {', '.join(missing)}"
                 )
             modes = {name: await _appendfsync(self.redis, name) for name, _ in infos}
-            waitaof = all(_has_waitaof(info) for _, info in infos)
-            if all(mode == "always" for mode in modes.values()):
-                self.fsync_always = True
-                return "disk: appendfsync always (every answer follows its fsync)"
-            if not waitaof:
+            if any(mode != "always" for mode in modes.values()):
                 raise Misconfigured(
-                    "LASTEVENT_DURABILITY=disk needs WAITAOF (Redis 7.2+, Valkey) or "
-                    f"appendfsync always; appendfsync is {modes}"
+                    "LASTEVENT_DURABILITY=disk needs appendfsync always on every primary "
+                    f"(found {modes}): with everysec a reader could be shown only what "
+                    "WAITAOF confirms, which waits up to a second for the next fsync -- "
+                    "or, on servers with redis/redis#13793 (Valkey 9.1 among them), "
+                    "confirms before it. Use replica, or memory."
                 )
-            return "disk: readers are sent what WAITAOF confirmed fsynced on the primary"
+            self.fsync_always = True
+            return "disk: appendfsync always (every answer follows the fsync of what it shows)"
         lonely = [name for name, info in infos if int(info.get("connected_slaves", "0")) < 1]
         if lonely:
             raise Misconfigured(
@@ -251,12 +248,6 @@ async def _primaries_info(redis: Redis) -> list[tuple[str, dict[str, str]]]:
 
 def _flat(info: Any) -> dict[str, str]:
     return {str(k): str(v) for k, v in dict(info).items()}
-
-
-def _has_waitaof(info: dict[str, str]) -> bool:
-    version = info.get("valkey_version") or info.get("redis_version") or "0"
-    major, minor = (int(x) for x in [*version.split("."), "0"][:2])
-    return bool(info.get("valkey_version")) or (major, minor) >= (7, 2)
 
 
 async def _appendfsync(redis: Redis, node_name: str) -> str:

