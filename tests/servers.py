@@ -136,18 +136,18 @@ class OwnRedis:
         synced: dict[str, int] = {}
         if self.fsync_log.exists():
             for line in self.fsync_log.read_text().splitlines():
-                size, _, path = line.partition(" ")
-                synced[path] = max(synced.get(path, 0), int(size))
+                size, _, name = line.partition(" ")
+                synced[name] = max(synced.get(name, 0), int(size))
         lost: dict[Path, int] = {}
         files = self.aof_files()
         self.kill()
         for path in files:
             keep = synced.get(str(path.resolve()), 0)
-            size = path.stat().st_size
-            if size > keep:
+            length = path.stat().st_size
+            if length > keep:
                 with open(path, "r+b") as f:
                     f.truncate(keep)
-                lost[path] = size - keep
+                lost[path] = length - keep
         return lost
 
     def pause(self) -> None:
