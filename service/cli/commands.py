@@ -18,7 +18,7 @@ from service.store import commit
 from service.store.keys import Keys
 from service.store.log import RedisLog
 from service.store.outbox import Outbox
-from service.store.pool import connect
+from service.store.pool import connect, warm
 from service.stream import replay
 
 T = TypeVar("T")
@@ -80,6 +80,7 @@ def _with_stores(settings: Settings, work: Callable[[Stores], Awaitable[T]]) -> 
     async def run() -> T:
         stores = Stores(settings)
         try:
+            await warm(stores.redis)  # (a cluster's slot map: reads are confirmed per node)
             return await work(stores)
         finally:
             await stores.close()

@@ -36,7 +36,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.asyncio.cluster import PipelineCommand, RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import ResponseError, SlotNotCoveredError
 
 from service.settings import Settings
 from service.store import replies
@@ -121,8 +121,11 @@ class Committer:
         client: object = self.redis
         if not self.needed or not isinstance(client, RedisCluster):
             return ""
-        node = client.get_node_from_key(self.keys.commit(partition))
-        return str(node.name) if node is not None else ""
+        try:
+            node = client.get_node_from_key(self.keys.commit(partition))
+        except SlotNotCoveredError:  # (not learnt yet, or in a failover: nothing confirms)
+            return "?"
+        return str(node.name) if node is not None else "?"
 
     async def confirm(self, partition: int, mark: str = "") -> None:
         """Return once everything this process read from ``partition``'s node before the
@@ -145,8 +148,12 @@ class Committer:
         if mark != self.mark(partition):
             raise Uncommitted(f"partition {partition} moved to another node while it was read")
 
-    async def confirm_all(self, partitions: list[int] | range) -> None:
-        await asyncio.gather(*(self.confirm(p) for p in partitions))
+    def marks(self, partitions: range) -> dict[int, str]:
+        return {p: self.mark(p) for p in partitions}
+
+    async def confirm_all(self, marks: dict[int, str]) -> None:
+        """``confirm`` each partition of ``marks`` (taken before the read)."""
+        await asyncio.gather(*(self.confirm(p, mark) for p, mark in marks.items()))
 
     async def _barriers(self, partition: int) -> None:
         """Barriers for ``partition`` while reads wait for one, each for all that came

@@ -96,8 +96,9 @@ class Outbox:
         pipe = self.redis.pipeline(transaction=False)
         for p in self.keys.all_partitions:
             pipe.xrange(self.keys.outbox(p), min=f"{since_ms}-0", max="+")
+        marks = self.committer.marks(self.keys.all_partitions)
         found: Any = await pipe.execute()
-        await self.committer.confirm_all(self.keys.all_partitions)
+        await self.committer.confirm_all(marks)
         out = []
         for raw in found:
             for entry_id, fields in raw:

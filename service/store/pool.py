@@ -67,23 +67,33 @@ class _Connection(Connection):
     where asyncio's own loop raises an OSError, which redis-py turns into its
     ``ConnectionError``. Unmapped, it escaped every store-error handler: a 500, an
     ``internal_error`` ending, a dead tail task. Mapped here, once, it is retried on a
-    new connection, or the slot map is learnt again, like any lost connection."""
+    new connection, or the slot map is learnt again, like any lost connection. The same
+    for a connection that the cluster client disconnected while another task was still
+    sending on it (its slot map re-learnt in a failover): ``AttributeError: 'NoneType'
+    object has no attribute 'writelines'`` (seen as a 500 on a resume, on an election)."""
 
     async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         try:
             await super().send_packed_command(command, check_health)
-        except RuntimeError as exc:
+        except (RuntimeError, AttributeError) as exc:
             raise _lost(exc) from exc
 
     async def read_response(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return await super().read_response(*args, **kwargs)
-        except RuntimeError as exc:
+        except (RuntimeError, AttributeError) as exc:
             raise _lost(exc) from exc
 
 
-def _lost(exc: RuntimeError) -> Exception:
-    if "closed" in str(exc) or "unable to perform operation" in str(exc):
+def _lost(exc: RuntimeError | AttributeError) -> Exception:
+    text = str(exc)
+    if isinstance(exc, AttributeError):
+        if "'NoneType'" in text:  # its reader / writer: gone with the connection
+            return RedisConnectionError(
+                f"the connection to Redis was closed under a command: {exc}"
+            )
+        return exc
+    if "closed" in text or "unable to perform operation" in text:
         return RedisConnectionError(f"the connection to Redis is gone: {exc}")
     return exc
 

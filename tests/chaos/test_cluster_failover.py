@@ -1,12 +1,16 @@
-"""A Redis Cluster primary killed mid-stream (``kill -9``) and its replica promoted,
-under concurrent streaming clients that resume (``tests/chaos/conftest.py``'s harness).
+"""A Redis Cluster primary killed mid-stream (``kill -9``) and its replica promoted --
+at once (``CLUSTER FAILOVER TAKEOVER``, what an operator or an orchestrator does) or by
+the cluster's own election (after ``cluster-node-timeout``) -- under concurrent streaming
+clients that resume (``tests/chaos/conftest.py``'s harness), at each durability level.
 
-Replication is asynchronous: the replica may not have the primary's last writes. What
-that can take is what a Redis restart that lost its last second takes (the chaos tier's
-``test_stack_outages.py``), and it is handled the same way: a worker whose next append
-finds the log shorter than what it wrote ends the request errored ``log_lost`` in band;
-a client whose cursor names a lost event reads the log again from the start. The test
-counts what was lost and prints it (``-s``): docs/DESIGN.md quotes the figures.
+Replication is asynchronous: the replica may not have the primary's last writes. At
+``replica`` readers were sent only what a replica acknowledged, so the promoted one has
+every event any client saw: each client's text and ids are its log's, whatever the
+replica lacked (a worker's append that finds the log shorter than what it wrote ends the
+request errored ``log_lost`` in band). At ``memory`` and ``disk`` (what the primary
+answered or fsynced: neither is on the replica yet) a failover may take back events a
+client saw; the request then ends ``log_lost`` in band after a prefix of them, never with
+another continuation spliced in. The test prints what was lost (``-s``).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 class Failover:
     cluster: LocalCluster
     behind_s: float  # how far behind its primary the replica is when the primary dies
+    election: bool  # the cluster elects the replica (else it takes over at once)
     killed_port: int = 0
     promoted_port: int = 0
 
@@ -54,54 +59,54 @@ class Failover:
             victim.kill()
             if self.behind_s:
                 replica.resume()
+            if not self.election:
+                replica.client().execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
 
         def end() -> None:
             self.promoted_port = self.cluster.wait_failover(victim).port
             victim.start()  # it comes back as a replica of the promoted one
 
-        return Fault("kill -9 of a primary; its replica promoted", begin, end, 0.0)
+        how = "elected" if self.election else "taking over"
+        return Fault(f"kill -9 of a primary; its replica {how}", begin, end, 0.0)
 
 
-BEHIND = pytest.mark.xfail(
-    strict=False,
-    reason="a failover that loses data can also take the workers' heartbeats back past "
-    "LASTEVENT_WORKER_STALE_S (the workers hash's last second lost + ~3.5 s failover): the "
-    "sweeper then takes over live workers' requests, and the next worker continues each "
-    "from its shortened log, so a reader still connected past the lost events gets text "
-    "again under new ids (client text != log, an open stream that never ends); seen once "
-    "in CI, passed in the runs before. Needs a sweeper that does not judge staleness "
-    "across a store outage, and readers that check delta continuity (Delta.n)",
-)
+@dataclasses.dataclass(frozen=True)
+class Case:
+    level: str  # LASTEVENT_DURABILITY
+    behind_s: float = 0.0
+    election: bool = False
 
 
-IN_SYNC = pytest.mark.xfail(
-    strict=False,
-    reason="passed in 5 runs, failed once (alone, fresh clone): during the failover two "
-    "resumes answered 500 (an error of redis-py's cluster client re-learning its slot map "
-    "that the API's store-unavailable mapping does not catch) and two open streams never "
-    "ended; not diagnosed",
-)
+CASES = [
+    pytest.param(Case("replica"), id="replica-in-sync"),
+    pytest.param(Case("replica", behind_s=1.0), id="replica-1s-behind"),
+    pytest.param(Case("replica", election=True), id="replica-elected"),
+    pytest.param(Case("disk"), id="disk-in-sync"),
+    pytest.param(Case("disk", election=True), id="disk-elected"),
+    pytest.param(Case("memory"), id="memory-in-sync"),
+    pytest.param(Case("memory", election=True), id="memory-elected"),
+    pytest.param(Case("memory", behind_s=1.0), id="memory-1s-behind"),
+]
 
 
-@pytest.mark.parametrize(
-    "behind_s",
-    [pytest.param(0.0, marks=IN_SYNC), pytest.param(1.0, marks=BEHIND)],
-    ids=["replica-in-sync", "replica-1s-behind"],
-)
+@pytest.mark.parametrize("case", CASES)
 def test_a_primary_killed_mid_stream_fails_over_to_its_replica(
     tmp_path: Path,
     database_url: str,
     model_dir: Path,
     capsys: pytest.CaptureFixture[str],
-    behind_s: float,
+    case: Case,
 ) -> None:
     """kill -9 of a primary under 18 streams (6 more sent during and after), its replica
     in sync or one second behind (its link cut, and the replica stopped so that it does
-    not connect again, for the second before the kill). Every
-    request ends; a client sees its whole answer, or (a log that lost its tail) the
-    in-band ``log_lost`` after a prefix of it; nothing but 503s; one billing row each,
-    and reconcile is clean."""
-    cluster = LocalCluster(tmp_path / "cluster", node_timeout_ms=2000).start()
+    not connect again, for the second before the kill). Every request ends; a client
+    sees its whole answer, or (a log that lost its tail) the in-band ``log_lost`` -- at
+    ``replica`` after exactly what its log holds, at the other levels after a prefix of
+    what it saw; nothing but 503s; one billing row each, and reconcile is clean."""
+    appendfsync = "always" if case.level == "disk" else "everysec"
+    cluster = LocalCluster(
+        tmp_path / "cluster", node_timeout_ms=2000, appendfsync=appendfsync
+    ).start()
     partitions = 6
     stack = make_stack(
         tmp_path / "stack",
@@ -112,8 +117,9 @@ def test_a_primary_killed_mid_stream_fails_over_to_its_replica(
         partitions=partitions,
         scripted_tokens_per_s=40.0,
         worker_concurrency=16,
+        durability=case.level,
     )
-    failover = Failover(cluster, behind_s)
+    failover = Failover(cluster, case.behind_s, case.election)
     try:
         for i in range(2):
             stack.start_worker(f"worker-{i + 1}")
@@ -130,9 +136,10 @@ def test_a_primary_killed_mid_stream_fails_over_to_its_replica(
 
         findings = client_findings(outcome)
         hit = lost = lost_entries = 0
+        committed = case.level == "replica"
         for c in outcome.accepted:
             v = found[c.rid or ""]
-            findings += request_findings(c, v, lost_ok=True)
+            findings += request_findings(c, v, lost_ok=True, committed=committed)
             if keys.partition(c.rid or "") in on_victim:
                 hit += 1
             if v.log_error == "log_lost":
@@ -144,7 +151,7 @@ def test_a_primary_killed_mid_stream_fails_over_to_its_replica(
         assert len(rids) == 24, [c.gave_up for c in outcome.clients]
         with capsys.disabled():
             print(
-                f"\nfailover ({behind_s:g} s behind): {len(rids)} requests, {hit} in the "
+                f"\nfailover ({case}): {len(rids)} requests, {hit} in the "
                 f"{len(on_victim)} partitions of the killed primary "
                 f"(:{failover.killed_port} -> :{failover.promoted_port}); "
                 f"failover took {outcome.back_at - outcome.fault_at:.1f} s; "

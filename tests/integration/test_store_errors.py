@@ -54,3 +54,14 @@ def test_other_runtime_errors_are_not_hidden(message: str) -> None:
     from service.store.pool import _lost
 
     assert not isinstance(_lost(RuntimeError(message)), RedisConnectionError)
+
+
+def test_a_connection_closed_under_a_send_is_a_connection_error() -> None:
+    """What the cluster client raised when it disconnected a node's connection (its slot
+    map re-learnt in an election) while another task was connecting it (a 500 on a
+    resume, seen in the chaos tier's election scenario)."""
+    from service.store.pool import _lost
+
+    gone = AttributeError("'NoneType' object has no attribute 'writelines'")
+    assert isinstance(_lost(gone), RedisConnectionError)
+    assert not isinstance(_lost(AttributeError("'Foo' has no attribute 'x'")), RedisConnectionError)
