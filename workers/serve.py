@@ -27,7 +27,7 @@ from service.store.control import Control
 from service.store.limits import free_slots
 from service.store.log import AlreadyEnded, Fenced, LogError, LogGap, LogGone, Owner, RedisLog
 from service.store.outbox import Outbox
-from service.store.pool import STORE_ERRORS
+from service.store.pool import STORE_ERRORS, UNREACHABLE
 from service.store.queue import Job, RequestQueue, wait_for_takeover
 from service.stream import endings
 from service.stream.endings import Failure, FencedOut, HandOver, Park, Recovery
@@ -101,13 +101,31 @@ class Serve:
             with contextlib.suppress(Exception):
                 await self.generation.abort(rid)
             await asyncio.wait(prior)
+        backoff = 0.1
+        # Redis away (a restart, a failover) under a step the batcher does not retry (the
+        # claim, a continuation's read): the job is served again -- claimed again by this
+        # worker, continued from its log -- once Redis answers, until its deadline
+        while not await self._serve_once(entry_id, job, part):
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    async def _serve_once(self, entry_id: bytes, job: Job, part: int) -> bool:
+        """One try at ``job``: False if Redis could not be reached and it is to be tried
+        again (before its deadline)."""
+        rid = job.request_id
         owner: Owner | None = None
         try:
             owner = await self.log.claim(rid, self.settings.worker_id, entry_id)
             if owner is None:  # expired, ended, or queued again (this worker was frozen)
                 await self.queue.ack(part, entry_id)
-                return
+                return True
             await self._run(entry_id, job, owner)
+        except UNREACHABLE as exc:
+            if not job.deadline_unix_s or time.time() < job.deadline_unix_s:
+                log.warning("request %s: Redis unreachable (%s); serving it again", rid, exc)
+                return False
+            log.exception("request %s: Redis unreachable past its deadline", rid)
+            await self._fail(entry_id, job, owner, endings.INTERNAL)
         except Fenced:
             log.warning("request %s was taken over by another worker; stopping", rid)
         except LogGone as exc:  # Redis lost all of it: the ledger still gets its row
@@ -122,6 +140,7 @@ class Serve:
         except Exception:
             log.exception("request %s failed in the worker", rid)
             await self._fail(entry_id, job, owner, endings.INTERNAL)
+        return True
 
     async def _run(self, entry_id: bytes, job: Job, owner: Owner) -> None:
         rid = job.request_id
@@ -185,10 +204,11 @@ class Serve:
         return None if delivery.present else delivery.delivered
 
     async def _continued(self, job: Job, owner: Owner) -> tuple[list[Delta], Recovery]:
-        """A request another worker started (its epoch is past the first claim's): the
+        """A request another worker started (its epoch is past the first claim's), or this
+        one before Redis went away under it (its log holds more than ``created``): the
         deltas in its log, and its recovery counts with the tokens this worker prefills
         again. A first run: nothing to continue."""
-        if owner.epoch <= 1:
+        if owner.epoch <= 1 and owner.events <= 1:
             return [], Recovery()
         logged = [e for _, e in await self.log.read(job.request_id) if isinstance(e, Delta)]
         # each choice prefills the prompt and its own logged ids again
