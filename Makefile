@@ -70,8 +70,12 @@ $(VLLM_STAMP): pyproject.toml
 test-vllm: $(VLLM_STAMP)  ## the vLLM tier: the real vLLM CPU engine (own venv, ~2 min install once)
 	$(VLLM_BIN)/python -m pytest -m vllm $(PYTEST_ARGS) tests/vllm
 
-bench: $(STAMP)  ## lastevent vs a no-Redis baseline: throughput, latency, resume, abort, memory (< 2 min)
+bench: $(STAMP)  ## lastevent vs a no-Redis baseline: throughput, latency, resume, abort, memory; then each durability level (~3 min)
 	$(BIN)/python -m bench.harness $(BENCH_ARGS)
+	$(BIN)/python -m bench.durability $(BENCH_ARGS)
+
+bench-durability: $(STAMP)  ## memory vs disk vs replica: TTFT, added latency per token, CPU per 1,000 tokens (~1.5 min)
+	$(BIN)/python -m bench.durability $(BENCH_ARGS)
 
 bench-cluster: $(STAMP)  ## lastevent on one Redis node vs a local Redis Cluster: latency, Redis CPU per 1,000 tokens (~3 min)
 	$(BIN)/python -m bench.cluster $(BENCH_ARGS)
@@ -112,4 +116,4 @@ lint: $(STAMP)  ## the static gates CI runs first: ruff, ruff format, mypy stric
 clean:  ## remove the virtualenv and caches (not the data dir)
 	rm -rf $(VENV) $(VLLM_VENV) $(GUIDELLM_VENV) .pytest_cache .hypothesis .cache
 
-.PHONY: help install run test test-cluster test-chaos test-clients test-vllm bench bench-cluster bench-takeover bench-park bench-vllm bench-guidellm test-fast lint clean
+.PHONY: help install run test test-cluster test-chaos test-clients test-vllm bench bench-durability bench-cluster bench-takeover bench-park bench-vllm bench-guidellm test-fast lint clean

@@ -242,6 +242,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     # no ledger here (lastevent_stack drops the database URL): no API keys either
     os.environ.setdefault("LASTEVENT_AUTH", "off")
+    os.environ.setdefault("LASTEVENT_DURABILITY", "memory")  # the local Redis has no AOF
     redis_url = os.environ.get("LASTEVENT_REDIS_URL", "redis://127.0.0.1:6379/0")
     results: dict[str, dict[str, float]] = {}
     seen: dict[str, dict[str, Any]] = {}

@@ -84,6 +84,9 @@ def lastevent(
         "LASTEVENT_PORT": str(port),
         "LASTEVENT_KEY_PREFIX": prefix,
         "LASTEVENT_AUTH": "off",
+        # the stream path as it was measured before durability levels (bench.durability
+        # measures them): the local Redis has no AOF
+        "LASTEVENT_DURABILITY": os.environ.get("LASTEVENT_DURABILITY", "memory"),
         "LASTEVENT_ENGINE": "scripted",
         "LASTEVENT_SCRIPTED_TOKENS_PER_S": str(rate),
         "LASTEVENT_WORKER_CONCURRENCY": "2000",

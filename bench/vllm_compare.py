@@ -86,6 +86,7 @@ def lastevent_stack(model_dir: Path, redis_url: str, logs: Path) -> Iterator[str
         "LASTEVENT_VLLM_MAX_MODEL_LEN": "2048",
         "LASTEVENT_WORKER_CONCURRENCY": "64",
         "LASTEVENT_AUTH": "off",  # no ledger, so no API keys (the API refuses to start else)
+        "LASTEVENT_DURABILITY": os.environ.get("LASTEVENT_DURABILITY", "memory"),
     }
     env.pop("LASTEVENT_DATABASE_URL", None)  # no ledger: measure the stream path only
     procs = start_roles(env, logs)

@@ -80,7 +80,8 @@ def test_unknown_request_and_bad_cursor(stack: Stack, client: httpx.Client) -> N
 def test_health_and_schema(stack: Stack, client: httpx.Client) -> None:
     assert client.get("/healthz").json() == {"status": "ok"}
     ready = client.get("/readyz").json()
-    assert ready["checks"] == {"redis": "ok", "postgres": "ok"}
+    assert ready["checks"] == {"redis": "ok", "durability": "ok", "postgres": "ok"}
+    assert ready["durability"]["level"] == stack.settings.durability
     schema = client.get("/schema/openapi.json").json()
     assert "/v1/chat/completions" in schema["paths"]
     assert "/v1/requests/{request_id}/events" in schema["paths"]
