@@ -44,6 +44,7 @@ class Run:
     finished: int = 0
     ttft_ms: list[float] = dataclasses.field(default_factory=list)
     added_ms: list[float] = dataclasses.field(default_factory=list)
+    itl_ms: list[float] = dataclasses.field(default_factory=list)  # gaps between content events
     resume_ms: list[float] = dataclasses.field(default_factory=list)
     abort_ms: list[float] = dataclasses.field(default_factory=list)
     lost_chars: int = 0
@@ -86,6 +87,7 @@ class _Reader:
         self.finish_id: str | None = None
         self.cut_at: float = 0.0  # when the client left the stream on purpose
         self.live = True  # False while reading back what the log kept (not a live sample)
+        self.piece_at = 0.0  # when the last content event arrived (live)
         self.done = False
 
     def feed(self, line: str) -> bool:
@@ -126,6 +128,9 @@ class _Reader:
                 emitted = _emit_ms(self.event_id)
                 if emitted is not None and self.live:
                     self.run.added_ms.append(now * 1000 - emitted)
+                if self.live and self.piece_at:
+                    self.run.itl_ms.append((now - self.piece_at) * 1000)
+                self.piece_at = now if self.live else 0.0
                 self.pieces.append(piece)
                 got = True
         return got

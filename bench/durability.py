@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import statistics
 import sys
 import tempfile
 import time
@@ -67,6 +68,7 @@ def measure(
 ) -> dict[int, tuple[Run, float]]:
     """Each concurrency's run at ``level`` and the CPU seconds it cost (stack + Redis)."""
     out: dict[int, tuple[Run, float]] = {}
+    data = data / uuid.uuid4().hex[:6]
     with servers(level, data) as (url, redis_pids):
         prefix = f"bd{uuid.uuid4().hex[:6]}"
         with lastevent(args.model_dir, args.rate, url, prefix, logs, 10, durability=level) as (
@@ -81,54 +83,71 @@ def measure(
     return out
 
 
-def table(results: dict[str, dict[int, tuple[Run, float]]]) -> str:
+Results = dict[str, dict[int, list[tuple[Run, float]]]]  # level -> streams -> repeats
+
+METRICS: list[tuple[str, str, int]] = [  # (name, unit, digits)
+    ("delivered tokens/s", "tok/s", 0),
+    ("time to first token p50", "ms", 1),
+    ("time to first token p99", "ms", 1),
+    ("inter-token latency p50", "ms", 1),
+    ("inter-token latency p99", "ms", 1),
+    ("added latency per token p50", "ms", 1),
+    ("added latency per token p99", "ms", 1),
+    ("CPU per 1,000 tokens (stack + Redis)", "ms", 0),
+]
+
+
+def figures(run: Run, cpu_s: float) -> list[float]:
+    """``METRICS`` of one run, in order."""
+    return [
+        run.tokens_per_s,
+        pct(run.ttft_ms, 0.5),
+        pct(run.ttft_ms, 0.99),
+        pct(run.itl_ms, 0.5),
+        pct(run.itl_ms, 0.99),
+        pct(run.added_ms, 0.5),
+        pct(run.added_ms, 0.99),
+        cpu_s / max(run.tokens, 1) * 1e6,
+    ]
+
+
+def table(results: Results) -> str:
+    """Each metric's median over the repeats, per level, and its ratio to the first."""
     levels = list(results)
+    rest = levels[1:]
     rows = [
         "| streams | metric | "
         + " | ".join(levels)
         + " | "
-        + " | ".join(f"{lv} / memory" for lv in levels[1:])
+        + " | ".join(f"{lv} / {levels[0]}" for lv in rest)
         + " |",
-        "| --- | --- | "
-        + " | ".join("---" for _ in levels)
-        + " | "
-        + " | ".join("---" for _ in levels[1:])
-        + " |",
+        "| --- | --- |" + " --- |" * (len(levels) + len(rest)),
     ]
-
-    def row(n: int, name: str, values: list[float], unit: str, digits: int = 1) -> None:
-        base = values[0]
-        shown = " | ".join(f"{v:.{digits}f} {unit}" for v in values)
-        ratios = " | ".join(f"{v / base:.2f}" if base else "n/a" for v in values[1:])
-        rows.append(f"| {n} | {name} | {shown} | {ratios} |")
-
     for n in sorted(next(iter(results.values()))):
-        runs = [results[lv][n][0] for lv in levels]
-        cpu = [results[lv][n][1] for lv in levels]
-        row(n, "delivered tokens/s", [r.tokens_per_s for r in runs], "tok/s", 0)
-        for q in (0.5, 0.99):
-            row(n, f"time to first token p{int(q * 100)}", [pct(r.ttft_ms, q) for r in runs], "ms")
-        for q in (0.5, 0.99):
-            row(
-                n,
-                f"added latency per token p{int(q * 100)}",
-                [pct(r.added_ms, q) for r in runs],
-                "ms",
-            )
-        row(
-            n,
-            "CPU per 1,000 tokens (stack + Redis)",
-            [c / max(r.tokens, 1) * 1e6 for r, c in zip(runs, cpu, strict=True)],
-            "ms",
-            0,
-        )
-        failed = " | ".join(f"{r.errors} / {r.lost_chars} / {r.dup_chars}" for r in runs)
+        medians = {
+            lv: [
+                statistics.median(values)
+                for values in zip(*(figures(r, c) for r, c in results[lv][n]), strict=True)
+            ]
+            for lv in levels
+        }
+        for i, (name, unit, digits) in enumerate(METRICS):
+            values = [medians[lv][i] for lv in levels]
+            shown = " | ".join(f"{v:.{digits}f} {unit}" for v in values)
+            ratios = " | ".join(f"{v / values[0]:.2f}" if values[0] else "n/a" for v in values[1:])
+            rows.append(f"| {n} | {name} | {shown} | {ratios} |")
+        failed = " | ".join(_failures([r for r, _ in results[lv][n]]) for lv in levels)
         rows.append(
-            f"| {n} | failed streams / lost / duplicated chars | {failed} | "
-            + " | ".join("" for _ in levels[1:])
-            + " |"
+            f"| {n} | failed streams / lost / duplicated chars (all repeats) | {failed} |"
+            + " |" * len(rest)
         )
     return "\n".join(rows)
+
+
+def _failures(runs: list[Run]) -> str:
+    return " / ".join(
+        str(sum(getattr(r, name) for r in runs)) for name in ("errors", "lost_chars", "dup_chars")
+    )
 
 
 def main() -> None:
@@ -139,6 +158,7 @@ def main() -> None:
     parser.add_argument(
         "--durability", default=",".join(LEVELS), help="levels, comma-separated (memory first)"
     )
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of all levels (medians)")
     parser.add_argument("--rate", type=float, default=20.0, help="tokens/s per stream")
     parser.add_argument("--tokens", type=int, default=100, help="answer length (about)")
     parser.add_argument("--resumes", type=int, default=10, help="streams that drop and resume")
@@ -157,11 +177,16 @@ def main() -> None:
     logs.mkdir(parents=True, exist_ok=True)
     data = Path(tempfile.mkdtemp(prefix="bench-durability-"))
     started = time.monotonic()
-    results = {level: measure(level, args, text, logs, data) for level in levels}
+    results: Results = {level: {n: [] for n in args.levels} for level in levels}
+    for _ in range(args.repeat):  # the levels in turn, so that drift hits each alike
+        for level in levels:
+            for n, got in measure(level, args, text, logs, data).items():
+                results[level][n].append(got)
     command = " ".join(["python -m bench.durability", *sys.argv[1:]])
     md = (
         f"Durability levels side by side: {args.rate:g} tok/s per stream, ~{args.tokens} "
-        f"tokens, {args.resumes} streams drop and resume. Command: `{command}`\n\n"
+        f"tokens, {args.resumes} streams drop and resume; medians of {args.repeat} rounds, "
+        f"the levels in turn. Command: `{command}`\n\n"
         f"{table(results)}\n"
     )
     args.out.mkdir(parents=True, exist_ok=True)

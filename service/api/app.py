@@ -210,6 +210,8 @@ async def serving(settings: Settings, model: ModelInfo, drain: Drain) -> AsyncIt
         await asyncio.gather(sweeping, lag, return_exceptions=True)
         await ctx.presence.stop()
         await ctx.tailer.stop()
+        if committer.barriers:
+            log.info("commit barriers sent: %d (%s)", committer.barriers, committer.level)
         if ledger is not None:
             await ledger.close()
         await redis.aclose()
