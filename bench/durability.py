@@ -164,7 +164,8 @@ def main() -> None:
     parser.add_argument("--resumes", type=int, default=10, help="streams that drop and resume")
     parser.add_argument("--model-dir", type=Path, default=REPO / ".cache/models" / MODEL)
     parser.add_argument("--out", type=Path, default=REPO / "bench-results")
-    args = parser.parse_args()
+    # (``make bench`` hands it the harness's arguments too: those it does not know are not its)
+    args, _ = parser.parse_known_args()
     args.levels = [int(n) for n in args.streams.split(",") if n]
     levels = [lv for lv in args.durability.split(",") if lv]
     raise_fd_limit(4 * max(args.levels) + 1000)

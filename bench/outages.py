@@ -8,7 +8,7 @@ state anywhere), the 503s the clients were answered, their cuts, resumes and res
 from the start, finished answers whose client's text is not the log's, billing rows,
 whether ``lastevent billing reconcile`` is clean, and per-request keys left without a TTL.
 
-    .venv/bin/python -m bench.outages                       # all six, ~2 minutes
+    .venv/bin/python -m bench.outages                       # all eight, ~3 minutes
     .venv/bin/python -m bench.outages --scenarios everysec,forget --clients 20
 
 Needs Postgres (``LASTEVENT_TEST_PG_URL``, else the local server on 5432: a database
@@ -59,11 +59,12 @@ class Scenario:
     tokens_before_fault: int = 30  # of ~170: the fault hits mid-answer
 
 
+# (durability: ``disk`` where the AOF is ``always``, ``memory`` else: ``outage_stack``)
 SCENARIOS = {
-    "everysec": Scenario("kill -9, AOF everysec", "everysec", kill_and_restart, 2.0, 2, 2),
-    "crash": Scenario("host crash, AOF everysec", "everysec", crash_and_restart, 2.0, 2, 2),
-    "crash-ends": Scenario(
-        "host crash at the answers' ends, AOF everysec",
+    "everysec": Scenario("kill -9, AOF everysec, memory", "everysec", kill_and_restart, 2.0, 2, 2),
+    "crash": Scenario("host crash, AOF everysec, memory", "everysec", crash_and_restart, 2.0, 2, 2),
+    "crash-ends-everysec": Scenario(
+        "host crash at the answers' ends, AOF everysec, memory",
         "everysec",
         crash_and_restart,
         2.0,
@@ -71,9 +72,21 @@ SCENARIOS = {
         2,
         tokens_before_fault=140,
     ),
-    "always": Scenario("kill -9, AOF always", "always", kill_and_restart, 2.0, 2, 2),
-    "freeze": Scenario("SIGSTOP", "everysec", freeze, 3.0, 2, 1),
-    "forget": Scenario("restart without data", None, kill_and_restart, 2.0, 1, 2),
+    "always": Scenario("kill -9, AOF always, disk", "always", kill_and_restart, 2.0, 2, 2),
+    "crash-always": Scenario(
+        "host crash, AOF always, disk", "always", crash_and_restart, 2.0, 2, 2
+    ),
+    "crash-ends": Scenario(
+        "host crash at the answers' ends, AOF always, disk",
+        "always",
+        crash_and_restart,
+        2.0,
+        2,
+        2,
+        tokens_before_fault=140,
+    ),
+    "freeze": Scenario("SIGSTOP, memory", "everysec", freeze, 3.0, 2, 1),
+    "forget": Scenario("restart without data, memory", None, kill_and_restart, 2.0, 1, 2),
 }
 
 
