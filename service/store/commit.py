@@ -82,6 +82,7 @@ async def started(committer: Committer, what: str) -> None:
     try:
         how = await committer.check()
     except Misconfigured as exc:
+        log.error("%s: refusing to start: %s", what, exc)
         raise SystemExit(f"{what}: {exc}") from None
     except STORE_ERRORS as exc:
         log.warning(
