@@ -92,7 +92,9 @@ class Admission:
         if not live:
             return ServiceUnavailable(
                 "no worker is available to run the request",
-                retry_after_s=math.ceil(s.worker_stale_s),
+                # (a worker announces itself every heartbeat: after a Redis that lost its
+                # data, or a worker's start, one is known again that soon)
+                retry_after_s=math.ceil(s.worker_heartbeat_s),
                 code="no_worker",
             )
         slots = sum(b.slots for b in live)

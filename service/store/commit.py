@@ -53,8 +53,8 @@ class Durability(enum.StrEnum):
 
 
 class Uncommitted(RedisConnectionError):
-    """What was read could not be confirmed committed in time (a replica is away, the
-    AOF cannot be fsynced): treated like an unreachable store."""
+    """What was read could not be confirmed committed in time (no replica acknowledged
+    it, or the slot moved meanwhile): treated like an unreachable store."""
 
 
 class Misconfigured(Exception):
@@ -102,8 +102,8 @@ class Committer:
         self.keys = keys
         self.level = level
         self.timeout_ms = timeout_ms
-        # disk on a server that fsyncs before it answers (appendfsync always, or a Redis
-        # without WAITAOF): every answer already follows the fsync of what it shows
+        # disk (appendfsync always, checked): every answer Redis sends already follows the
+        # fsync of what it shows, so no barrier is needed
         self.fsync_always = False
         self._checked = False
         self._waiting: dict[int, list[asyncio.Future[None]]] = {}  # for the next barrier
