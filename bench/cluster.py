@@ -7,7 +7,9 @@ local cluster of three primaries and three replicas (``tests/cluster.py``) with
 drive both at each concurrency of ``--streams``. Reported: delivered tokens/s, time to
 first token, added latency per token, resume latency, and the CPU Redis spent per 1,000
 delivered tokens (on the cluster: its primaries, and all six nodes with the replicas'
-replication work), with cluster / one node ratios.
+replication work), with cluster / one node ratios; then the cluster again at
+``LASTEVENT_DURABILITY=replica`` (readers sent what a replica acknowledged), with its
+ratio to the cluster at ``memory``.
 
 Everything runs on this one machine, so a cluster's six servers share its cores with the
 stack and the clients: the CPU per token is the comparable figure, not the throughput.
@@ -80,39 +82,41 @@ def _ms_per_1k(seconds: float, run: Run) -> float:
     return seconds / max(run.tokens, 1) * 1000 * 1000
 
 
-def table(
-    one: dict[int, tuple[Run, dict[str, float]]], many: dict[int, tuple[Run, dict[str, float]]]
-) -> str:
+Measured = dict[int, tuple[Run, dict[str, float]]]
+
+
+def table(one: Measured, many: Measured, committed: Measured) -> str:
     rows = [
-        "| streams | metric | one node | cluster | cluster / one node |",
-        "| --- | --- | --- | --- | --- |",
+        "| streams | metric | one node | cluster | cluster, `replica` | cluster / one node "
+        "| `replica` / cluster |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
 
-    def row(n: int, name: str, a: float, b: float, unit: str) -> None:
-        ratio = f"{b / a:.2f}" if a else "n/a"
-        rows.append(f"| {n} | {name} | {a:.1f} {unit} | {b:.1f} {unit} | {ratio} |")
+    def row(n: int, name: str, values: list[float], unit: str) -> None:
+        a, b, c = values
+        ratios = [f"{y / x:.2f}" if x else "n/a" for x, y in ((a, b), (b, c))]
+        rows.append(
+            f"| {n} | {name} | {a:.1f} {unit} | {b:.1f} {unit} | {c:.1f} {unit} | "
+            f"{ratios[0]} | {ratios[1]} |"
+        )
 
     for n in sorted(one):
-        (r1, c1), (r2, c2) = one[n], many[n]
-        row(n, "delivered tokens/s", r1.tokens_per_s, r2.tokens_per_s, "tok/s")
-        row(n, "time to first token p50", pct(r1.ttft_ms, 0.5), pct(r2.ttft_ms, 0.5), "ms")
-        row(n, "time to first token p99", pct(r1.ttft_ms, 0.99), pct(r2.ttft_ms, 0.99), "ms")
-        row(n, "added latency per token p50", pct(r1.added_ms, 0.5), pct(r2.added_ms, 0.5), "ms")
-        row(n, "added latency per token p99", pct(r1.added_ms, 0.99), pct(r2.added_ms, 0.99), "ms")
-        row(n, "resume latency p50", pct(r1.resume_ms, 0.5), pct(r2.resume_ms, 0.5), "ms")
-        one_cpu = _ms_per_1k(c1["all"], r1)
-        row(
-            n,
-            "Redis CPU per 1,000 tokens (primaries)",
-            one_cpu,
-            _ms_per_1k(c2["primaries"], r2),
-            "ms",
-        )
-        row(n, "Redis CPU per 1,000 tokens (all nodes)", one_cpu, _ms_per_1k(c2["all"], r2), "ms")
-        rows.append(
-            f"| {n} | failed streams / lost / duplicated chars | {r1.errors} / {r1.lost_chars} / "
-            f"{r1.dup_chars} | {r2.errors} / {r2.lost_chars} / {r2.dup_chars} | |"
-        )
+        runs = [one[n][0], many[n][0], committed[n][0]]
+        cpus = [one[n][1], many[n][1], committed[n][1]]
+        row(n, "delivered tokens/s", [r.tokens_per_s for r in runs], "tok/s")
+        for q in (0.5, 0.99):
+            p = f"p{int(q * 100)}"
+            row(n, f"time to first token {p}", [pct(r.ttft_ms, q) for r in runs], "ms")
+            row(n, f"inter-token latency {p}", [pct(r.itl_ms, q) for r in runs], "ms")
+            row(n, f"added latency per token {p}", [pct(r.added_ms, q) for r in runs], "ms")
+        row(n, "resume latency p50", [pct(r.resume_ms, 0.5) for r in runs], "ms")
+        pairs = list(zip(runs, cpus, strict=True))
+        primaries = [_ms_per_1k(c.get("primaries", c["all"]), r) for r, c in pairs]
+        row(n, "Redis CPU per 1,000 tokens (primaries)", primaries, "ms")
+        every = [_ms_per_1k(c["all"], r) for r, c in pairs]
+        row(n, "Redis CPU per 1,000 tokens (all nodes)", every, "ms")
+        failed = " | ".join(f"{r.errors} / {r.lost_chars} / {r.dup_chars}" for r in runs)
+        rows.append(f"| {n} | failed streams / lost / duplicated chars | {failed} | | |")
     return "\n".join(rows)
 
 
@@ -149,21 +153,25 @@ def main() -> None:
             "primaries": [n.proc.pid for n in cluster.primaries if n.proc],
             "all": [n.proc.pid for n in cluster.nodes if n.proc],
         }
-        many = measure(
-            "cluster",
+        on_cluster = {"redis_cluster": "true", "partitions": str(args.partitions)}
+        many = measure("cluster", cluster.url, pids, args, text, logs, **on_cluster)
+        committed = measure(
+            "cluster replica",
             cluster.url,
             pids,
             args,
             text,
             logs,
-            redis_cluster="true",
-            partitions=str(args.partitions),
+            durability="replica",
+            **on_cluster,
         )
     command = " ".join(["python -m bench.cluster", *sys.argv[1:]])
     md = (
         f"One Redis node vs a Redis Cluster (3 primaries + 3 replicas, {args.partitions} "
         f"partitions), {args.rate:g} tok/s per stream, ~{args.tokens} tokens, {args.resumes} "
-        f"streams drop and resume. Command: `{command}`\n\n{table(one, many)}\n"
+        f"streams drop and resume; the cluster at `memory`, then at `replica` (readers are "
+        f"sent what a replica acknowledged). Command: `{command}`\n\n"
+        f"{table(one, many, committed)}\n"
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cluster.md").write_text(md)
