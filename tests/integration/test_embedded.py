@@ -192,8 +192,8 @@ def test_ctrl_c_stops_servers_cleanly(tmp_path: Path) -> None:
     child = run_child(tmp_path)
     assert {"valkey-server", "postgres"} <= names(server_procs(tmp_path))
     os.killpg(child.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
-    # (a safety net only: Postgres's shutdown checkpoint took over 30 s twice under the
-    # whole suite's load on 2 cores; alone the stop takes ~2 s)
+    # (a safety net only: the stop took over 30 s twice under the whole suite's load on
+    # 2 cores, not reproduced alone, where it takes ~2 s; the message says what it printed)
     try:
         out, err = child.communicate(timeout=180)
     except subprocess.TimeoutExpired as exc:
