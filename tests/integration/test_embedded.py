@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import psutil
@@ -152,9 +153,11 @@ def test_data_dir_in_use_is_refused(tmp_path: Path) -> None:
 # A separate process that runs the servers, prints their URLs, writes, and waits.
 CHILD = textwrap.dedent(
     """
-    import sys, time, redis
+    import faulthandler, signal, sys, time, redis
     from pathlib import Path
     from service.cli.embedded import embedded_servers
+
+    faulthandler.register(signal.SIGUSR2)  # where it waits, if the test must ask
 
     with embedded_servers(Path(sys.argv[1]), redis=True, postgres=True) as (r_url, db_url):
         client = redis.Redis.from_url(r_url)
@@ -171,6 +174,10 @@ CHILD = textwrap.dedent(
 )
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_child(data_dir: Path) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
         [sys.executable, "-c", CHILD, str(data_dir)],
@@ -179,6 +186,10 @@ def run_child(data_dir: Path) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group, as a terminal would give it
+        # Ctrl-C as a terminal delivers it: a suite started in the background by a
+        # non-interactive shell (`make test &`) ignores SIGINT, and a child inherits
+        # that -- it then slept through the test's Ctrl-C (3 hangs, all so started)
+        preexec_fn=_sigint_default,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -195,10 +206,14 @@ def test_ctrl_c_stops_servers_cleanly(tmp_path: Path) -> None:
     # (a safety net only: the stop took over 30 s twice under the whole suite's load on
     # 2 cores, not reproduced alone, where it takes ~2 s; the message says what it printed)
     try:
-        out, err = child.communicate(timeout=180)
-    except subprocess.TimeoutExpired as exc:
+        out, err = child.communicate(timeout=100)
+    except subprocess.TimeoutExpired:
+        child.send_signal(signal.SIGUSR2)  # its threads' stacks, on its stderr
+        time.sleep(1)
         child.kill()
-        raise AssertionError(f"the child did not stop: {exc.stdout!r} {exc.stderr!r}") from exc
+        out, err = child.communicate()
+        logs = {p.name: p.read_text(errors="replace")[-3000:] for p in tmp_path.rglob("*.log")}
+        raise AssertionError(f"the child did not stop:\n{out}\n{err}\n{logs}") from None
     assert child.returncode == 0, err
     assert "PING-AFTER-SIGINT True" in out
     assert "EXITED" in out
