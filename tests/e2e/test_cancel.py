@@ -384,7 +384,7 @@ async def test_burst_with_walkaways_wastes_at_most_what_the_grace_allows(
     print(
         f"\nburst: {clients} clients, {leavers} walked away; wasted {wasted} of {generated} "
         f"generated tokens (bound {bound:.0f} = {leavers} x ({grace_s:g} s grace x {RATE:g} "
-        f"tok/s + 3 steps))"
+        f"tok/s + {3 + lag_steps} steps))"
     )
     assert 0 < wasted <= bound
 
