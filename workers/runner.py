@@ -29,8 +29,8 @@ from service.store.control import Control
 from service.store.keys import Keys
 from service.store.log import RedisLog, Retention
 from service.store.pool import survived
-from service.store.queue import Heartbeat, Heartbeats, RequestQueue
-from service.stream.lifecycle import State
+from service.store.queue import Heartbeat, Heartbeats, Job, RequestQueue
+from service.stream.lifecycle import Requeue, State
 from service.tokenize import ModelInfo
 from workers.engines.base import Engine
 from workers.generate import Generation
@@ -125,7 +125,12 @@ class Runner:
                 lost_reply = True
                 await asyncio.sleep(0.5)
             # a pending re-read hands back entries this worker is serving already
-            jobs = [(e, j) for e, j in jobs if (partition, e) not in self._serving][:taken]
+            jobs = [(e, j) for e, j in jobs if (partition, e) not in self._serving]
+            # both queues had jobs: the takeover queue's come first; fresh ones past the
+            # slots taken go back, to the front (the takeover queue), for any worker
+            jobs, extra = jobs[:taken], jobs[taken:]
+            if extra:
+                self._give_back(partition, extra)
             for _ in range(taken - len(jobs)):
                 slots.release()
             for entry_id, job in jobs:
@@ -136,6 +141,20 @@ class Runner:
                 task.add_done_callback(self._tasks.discard)
                 task.add_done_callback(functools.partial(self._served_entry, (partition, entry_id)))
                 task.add_done_callback(lambda _t: slots.release())
+
+    def _give_back(self, partition: int, jobs: list[tuple[bytes, Job]]) -> None:
+        async def give_back() -> None:
+            for entry_id, job in jobs:
+                try:
+                    done = await self.queue.requeue(job.request_id, entry_id, Requeue.LOST)
+                    if done.entry_id is None:  # ended meanwhile (a cancel): nothing to run
+                        await self.queue.ack(partition, entry_id)
+                except Exception as exc:  # noqa: BLE001 - left pending: the sweeper's
+                    survived("giving a job back", exc)
+
+        task = asyncio.create_task(give_back())
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
 
     def _served_entry(self, entry: tuple[int, bytes], _task: asyncio.Task[None]) -> None:
         self._serving.pop(entry, None)

@@ -19,24 +19,26 @@ async def ensure(redis: Redis, stream: str, group: str) -> None:
 
 async def read(
     redis: Redis,
-    stream: str,
+    streams: list[str],
     group: str,
     consumer: str,
     *,
     pending: bool,
     count: int,
     block_ms: int,
-) -> list[tuple[Any, Any]]:
-    """``consumer``'s entries: its own unacked ones (``pending``, no wait) or new ones
-    (waiting up to ``block_ms``); ``[]`` after making a group Redis lost again."""
-    streams: dict[Any, Any] = {stream: "0" if pending else ">"}
+) -> list[tuple[Any, list[tuple[Any, Any]]]]:
+    """``consumer``'s entries of one or more streams (of one slot), as (stream, entries):
+    its own unacked ones (``pending``, no wait) or new ones (waiting up to ``block_ms``
+    for any); ``[]`` after making a group Redis lost again."""
+    ids: dict[Any, Any] = {stream: "0" if pending else ">" for stream in streams}
     try:
         reply: Any = await redis.xreadgroup(
-            group, consumer, streams, count=count, block=None if pending else block_ms
+            group, consumer, ids, count=count, block=None if pending else block_ms
         )
     except ResponseError as exc:
         if "NOGROUP" not in str(exc):
             raise
-        await ensure(redis, stream, group)
+        for stream in streams:
+            await ensure(redis, stream, group)
         return []
-    return [entry for _key, entries in reply or [] for entry in entries]
+    return [(key, entries) for key, entries in reply or []]

@@ -30,6 +30,12 @@ SUMMARY_FIELD = b"s"  # outbox entry: a msgpack-encoded Summary of the ended req
 END_ID_FIELD = b"i"  # outbox entry: the terminal event's id
 JOB_FIELD = b"j"  # the one field of each queue entry: a msgpack-encoded job
 LOG_FIELD = b"k"  # a tail shard's wake entry: the log key that changed (none: just a wake)
+# A partition's takeover queue is its queue's key plus this: the jobs queued again (a lost
+# or stopping worker's, a parked request's continuation), read ahead of fresh work. Its
+# entries are named ``TAKEOVER_ENTRY + <stream id>`` wherever an entry is kept or passed
+# (the meta hash, the scripts, a worker's acks), so that an entry says which queue it is in.
+TAKEOVERS_SUFFIX = ":takeovers"
+TAKEOVER_ENTRY = b"t:"
 
 
 MAX_PARTITIONS = 1024
@@ -87,6 +93,11 @@ class Keys:
 
     def queue_of(self, request_id: str) -> str:
         return self.queue(self.partition(request_id))
+
+    def takeovers(self, partition: int) -> str:
+        """A partition's takeover queue (a stream; the same group): continuations and jobs
+        queued again, which workers read before the partition's queue."""
+        return f"{self.queue(partition)}{TAKEOVERS_SUFFIX}"
 
     def log(self, request_id: str) -> str:
         """The request's event log (a stream)."""
@@ -160,6 +171,12 @@ class Keys:
     def workers(self) -> str:
         """Worker heartbeats: worker id -> "<slots> <busy> <unix ms> <mean service ms>"."""
         return f"{self.prefix}:workers"
+
+    def alive(self, worker_id: str) -> str:
+        """The sharded pub/sub channel a worker's named connection subscribes to while it
+        lives: in the heartbeats' slot (the hash tag is that key's name), so the node that
+        holds the heartbeats counts its subscribers (``store/liveness.py``)."""
+        return f"{{{self.workers}}}:alive:{worker_id}"
 
     def inflight_of(self, tenant: str, key_id: str | None) -> str:
         """The in-flight set a request of this tenant and key counts against."""

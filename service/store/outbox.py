@@ -49,15 +49,16 @@ class Outbox:
         (no wait); otherwise new entries, waiting up to ``block_ms`` for one. Raises
         ``Uncommitted`` if they cannot be confirmed committed (they stay pending)."""
         mark = self.committer.mark(partition)
-        entries = await groups.read(
+        found = await groups.read(
             self.redis,
-            self.keys.outbox(partition),
+            [self.keys.outbox(partition)],
             RECORDER_GROUP,
             consumer,
             pending=pending,
             count=count,
             block_ms=block_ms,
         )
+        entries = [entry for _stream, got in found for entry in got]
         if entries:
             await self.committer.confirm(partition, mark)
         return [_entry(eid, fields) for eid, fields in entries]

@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from service.store import groups, replies, scripts
-from service.store.keys import JOB_FIELD, QUEUE_GROUP, Keys
+from service.store.keys import JOB_FIELD, QUEUE_GROUP, TAKEOVER_ENTRY, TAKEOVERS_SUFFIX, Keys
 from service.stream.lifecycle import Requeue
 from service.stream.params import SamplingParams
 from service.stream.tools import ToolFormat
@@ -106,7 +106,22 @@ class RequestQueue:
 
     async def ensure_group(self) -> None:
         for p in self.keys.all_partitions:
-            await groups.ensure(self.redis, self.keys.queue(p), QUEUE_GROUP)
+            for stream in self.streams(p):
+                await groups.ensure(self.redis, stream, QUEUE_GROUP)
+
+    def streams(self, partition: int) -> tuple[str, str]:
+        """A partition's takeover queue and its queue, in the order workers read them."""
+        return self.keys.takeovers(partition), self.keys.queue(partition)
+
+    def _located(self, partition: int, entry_id: bytes) -> tuple[str, bytes]:
+        """The stream an entry is in, and its id there."""
+        if entry_id.startswith(TAKEOVER_ENTRY):
+            return self.keys.takeovers(partition), entry_id[len(TAKEOVER_ENTRY) :]
+        return self.keys.queue(partition), entry_id
+
+    def _named(self, stream: str, entry_id: Any) -> bytes:
+        raw = entry_id if isinstance(entry_id, bytes) else replies.text(entry_id).encode()
+        return TAKEOVER_ENTRY + raw if stream.endswith(TAKEOVERS_SUFFIX) else raw
 
     async def enqueue(self, job: Job) -> bytes:
         """A job on its own (the API's jobs go in with their log, in ``create.lua``)."""
@@ -118,66 +133,78 @@ class RequestQueue:
     async def read(
         self, partition: int, consumer: str, count: int, block_ms: int, *, pending: bool = False
     ) -> list[tuple[bytes, Job]]:
-        """New jobs of one partition for ``consumer`` (waiting up to ``block_ms``), or with
-        ``pending`` the ones it was handed before and never acked (a reply lost to a
-        connection failure). A group Redis lost (restarted without its data) is made again."""
-        entries = await groups.read(
+        """New jobs of one partition for ``consumer`` (waiting up to ``block_ms``), the
+        takeover queue's first, or with ``pending`` the ones it was handed before and never
+        acked (a reply lost to a connection failure). ``count`` bounds each queue's share:
+        up to twice as many may come back. A group Redis lost (restarted without its data)
+        is made again."""
+        found = await groups.read(
             self.redis,
-            self.keys.queue(partition),
+            list(self.streams(partition)),
             QUEUE_GROUP,
             consumer,
             pending=pending,
             count=count,
             block_ms=block_ms,
         )
-        # a pending entry trimmed meanwhile has no fields
-        return [(eid, _dec.decode(fields[JOB_FIELD])) for eid, fields in entries if fields]
+        by_stream = {replies.text(stream): entries for stream, entries in found}
+        return [
+            (self._named(stream, eid), _dec.decode(fields[JOB_FIELD]))
+            for stream in self.streams(partition)
+            for eid, fields in by_stream.get(stream, ())
+            if fields  # a pending entry trimmed meanwhile has no fields
+        ]
 
     async def ack(self, partition: int, entry_id: bytes) -> None:
-        queue = self.keys.queue(partition)
+        queue, raw = self._located(partition, entry_id)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.xack(queue, QUEUE_GROUP, entry_id)
-        pipe.xdel(queue, entry_id)
+        pipe.xack(queue, QUEUE_GROUP, raw)
+        pipe.xdel(queue, raw)
         await pipe.execute()
 
     async def depth(self) -> int:
-        """Jobs queued in all partitions."""
+        """Jobs queued in all partitions (both queues)."""
         pipe = self.redis.pipeline(transaction=False)
         for p in self.keys.all_partitions:
-            pipe.xlen(self.keys.queue(p))
+            for stream in self.streams(p):
+                pipe.xlen(stream)
         return sum(replies.integer(n) for n in await pipe.execute())
 
     # -- what the sweeper needs: jobs pending under a consumer --------------------------
 
     async def consumers_with_pending(self, partition: int) -> list[str]:
-        """Consumers of a partition's group that hold unacked jobs ([] before any worker
-        started)."""
-        try:
-            consumers = await self.redis.xinfo_consumers(self.keys.queue(partition), QUEUE_GROUP)
-        except ResponseError as exc:  # no queue or group yet
-            if "no such key" in str(exc).lower() or "NOGROUP" in str(exc):
-                return []
-            raise
-        return [replies.text(c["name"]) for c in consumers if c["pending"]]
+        """Consumers of a partition's group (either queue) that hold unacked jobs ([]
+        before any worker started)."""
+        names: dict[str, None] = {}
+        for stream in self.streams(partition):
+            try:
+                consumers = await self.redis.xinfo_consumers(stream, QUEUE_GROUP)
+            except ResponseError as exc:  # no queue or group yet
+                if "no such key" in str(exc).lower() or "NOGROUP" in str(exc):
+                    continue
+                raise
+            names.update((replies.text(c["name"]), None) for c in consumers if c["pending"])
+        return list(names)
 
     async def pending(self, partition: int, consumer: str, count: int = 100) -> list[Pending]:
-        """``consumer``'s unacked jobs in a partition: entry id, how long since it was
-        handed them, the job (``None`` if the entry is gone)."""
-        queue = self.keys.queue(partition)
-        raw: Any = await self.redis.xpending_range(
-            queue, QUEUE_GROUP, min="-", max="+", count=count, consumername=consumer
-        )
-        if not raw:
-            return []
-        pipe = self.redis.pipeline(transaction=False)
-        for p in raw:
-            pipe.xrange(queue, min=p["message_id"], max=p["message_id"])
-        found: Any = await pipe.execute()
+        """``consumer``'s unacked jobs in a partition (either queue): entry, how long since
+        it was handed them, the job (``None`` if the entry is gone)."""
         out = []
-        for p, entries in zip(raw, found, strict=True):
-            fields = entries[0][1] if entries else None
-            job = decode_job(fields[JOB_FIELD]) if fields else None
-            out.append(Pending(p["message_id"], int(p["time_since_delivered"]), job))
+        for stream in self.streams(partition):
+            raw: Any = await self.redis.xpending_range(
+                stream, QUEUE_GROUP, min="-", max="+", count=count, consumername=consumer
+            )
+            if not raw:
+                continue
+            pipe = self.redis.pipeline(transaction=False)
+            for p in raw:
+                pipe.xrange(stream, min=p["message_id"], max=p["message_id"])
+            found: Any = await pipe.execute()
+            for p, entries in zip(raw, found, strict=True):
+                fields = entries[0][1] if entries else None
+                job = decode_job(fields[JOB_FIELD]) if fields else None
+                entry = self._named(stream, p["message_id"])
+                out.append(Pending(entry, int(p["time_since_delivered"]), job))
         return out
 
     async def take(
@@ -185,17 +212,22 @@ class RequestQueue:
     ) -> list[bytes]:
         """Move pending entries to ``claimant`` (only those idle at least ``min_idle_ms``,
         so that of several sweepers one wins); returns the ones it got."""
-        if not entry_ids:
-            return []
-        claimed: Any = await self.redis.xclaim(
-            self.keys.queue(partition),
-            QUEUE_GROUP,
-            claimant,
-            min_idle_time=min_idle_ms,
-            message_ids=list[Any](entry_ids),
-            justid=True,
-        )
-        return [c if isinstance(c, bytes) else replies.text(c).encode() for c in claimed]
+        by_stream: dict[str, list[bytes]] = {}
+        for entry in entry_ids:
+            stream, raw = self._located(partition, entry)
+            by_stream.setdefault(stream, []).append(raw)
+        got = []
+        for stream, ids in by_stream.items():
+            claimed: Any = await self.redis.xclaim(
+                stream,
+                QUEUE_GROUP,
+                claimant,
+                min_idle_time=min_idle_ms,
+                message_ids=list[Any](ids),
+                justid=True,
+            )
+            got += [self._named(stream, c) for c in claimed]
+        return got
 
     async def requeue(
         self,
@@ -288,6 +320,7 @@ class Heartbeats:
         pipe.hgetall(self.keys.workers)
         for p in self.keys.all_partitions:
             pipe.xlen(self.keys.queue(p))
+            pipe.xlen(self.keys.takeovers(p))
         beats, *depths = await pipe.execute()
         now_ms = time.time() * 1000
         fresh = [b for b in map(Heartbeat.decode, beats.values()) if b.fresh(now_ms, stale_s)]

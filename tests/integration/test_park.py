@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 
 from service.store import replies
 from service.store.control import Control
-from service.store.keys import Keys
+from service.store.keys import TAKEOVER_ENTRY, Keys
 from service.store.log import Owner, RedisLog
 from service.store.presence import Presence
 from service.store.queue import Job, RequestQueue, encode_job
@@ -83,10 +83,13 @@ async def test_park_keeps_the_job_and_a_returning_reader_makes_it_go_on_once(
     back = [await presence.acquire(rid) for _ in range(3)]  # three readers come back
     assert [lease.unparked for lease in back] == [True, False, False]
     assert await field(redis, keys, rid, Meta.STATE) == State.RUNNING
-    assert await redis.xlen(keys.queue_of(rid)) == 1  # queued again, once
+    # queued again, once, in the takeover queue (ahead of fresh work)
+    assert await redis.xlen(keys.queue_of(rid)) == 0
+    assert await redis.xlen(keys.takeovers(keys.partition(rid))) == 1
     assert await redis.zscore(keys.parked_of(rid), rid) is None
     assert await redis.zscore(keys.orphans_of(rid), rid) is not None  # (waits for a worker)
     new_entry = replies.text(await field(redis, keys, rid, Meta.ENTRY)).encode()
+    assert new_entry.startswith(TAKEOVER_ENTRY)
     continuing = await rlog.claim(rid, "w2", new_entry)
     # fenced by the park, the unpark and its own claim
     assert continuing is not None and continuing.epoch == owner.epoch + 3

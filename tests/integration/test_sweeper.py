@@ -9,7 +9,7 @@ import pytest
 from redis.asyncio import Redis
 
 from service.api.sweeper import Sweeper
-from service.store.keys import Keys
+from service.store.keys import QUEUE_GROUP, TAKEOVER_ENTRY, Keys
 from service.store.log import Fenced, Recovery, RedisLog
 from service.store.queue import Heartbeat, Heartbeats, Job, RequestQueue, encode_job
 from service.stream import events as ev
@@ -189,3 +189,27 @@ async def test_a_store_outage_is_not_staleness(redis: Redis, key_prefix: str):
     assert await sweeper.sweep() == 0
     time.sleep(0.35)  # and this worker never beat again: it is lost
     assert await sweeper.sweep() == 1
+
+
+async def test_a_takeover_is_read_ahead_of_a_backlog_of_fresh_work(redis: Redis, key_prefix: str):
+    keys = Keys(key_prefix)
+    log, queue, beats = RedisLog(redis, keys), RequestQueue(redis, keys), Heartbeats(redis, keys)
+    await queue.ensure_group()
+    lost = [await submitted(log, queue) for _ in range(2)]
+    for i, rid in enumerate(lost):
+        await lose(log, queue, beats, rid, f"dead{i}")
+    backlog = [await submitted(log, queue) for _ in range(3)]  # fresh work waiting
+    assert await Sweeper(log, queue, beats, sweeper_id="s1", stale_s=0.05).sweep() == 2
+    assert await queue.depth() == 5
+    # a read for one job per queue: the takeover queue's comes first (a worker with one
+    # free slot runs it, and gives the fresh one back)
+    first = await queue.read(0, "next", count=1, block_ms=100)
+    assert [j.request_id for _, j in first] == [lost[0], backlog[0]]
+    assert first[0][0].startswith(TAKEOVER_ENTRY) and not first[1][0].startswith(TAKEOVER_ENTRY)
+    got = await queue.read(0, "next", count=2, block_ms=100)
+    assert [j.request_id for _, j in got] == [lost[1], *backlog[1:]]
+    # each entry is acknowledged in its own queue
+    for e, _ in [*first, *got]:
+        await queue.ack(0, e)
+    assert [(await redis.xpending(s, QUEUE_GROUP))["pending"] for s in queue.streams(0)] == [0, 0]
+    assert await queue.depth() == 0

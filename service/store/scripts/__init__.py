@@ -24,6 +24,8 @@ from service.store.keys import (
     LOG_FIELD,
     QUEUE_GROUP,
     SUMMARY_FIELD,
+    TAKEOVER_ENTRY,
+    TAKEOVERS_SUFFIX,
 )
 from service.stream.lifecycle import lua_prelude
 
@@ -57,7 +59,11 @@ def prelude() -> str:
     }
     table = ", ".join(f"{name}='{value.decode()}'" for name, value in fields.items())
     group = f"local QUEUE_GROUP = '{QUEUE_GROUP}'\nlocal WAKE_MAXLEN = {WAKE_MAXLEN}\n"
-    return lua_prelude() + f"local F = {{{table}}}\n" + group + NOTIFY
+    takeovers = (
+        f"local TAKEOVERS = '{TAKEOVERS_SUFFIX}'\n"
+        f"local TAKEOVER_ENTRY = '{TAKEOVER_ENTRY.decode()}'\n"
+    )
+    return lua_prelude() + f"local F = {{{table}}}\n" + group + takeovers + NOTIFY + ENTRIES
 
 
 # Tell the tail shards following a log that it changed: each shard's wake stream gets the
@@ -71,6 +77,36 @@ NOTIFY = """local function notify(tails_key, log_key)
       F.log, log_key)
     if not added then redis.call('SREM', tails_key, wake) end
   end
+end
+"""
+
+
+# A queue entry as the meta hash and callers name it: ``<id>`` in the partition's queue,
+# ``t:<id>`` in its takeover queue (``keys.py``). ``entry_in`` finds it; ``requeue_job``
+# adds a job to the takeover queue and returns its name.
+ENTRIES = """local function entry_in(queue_key, entry)
+  local n = #TAKEOVER_ENTRY
+  if string.sub(entry, 1, n) == TAKEOVER_ENTRY then
+    return queue_key .. TAKEOVERS, string.sub(entry, n + 1)
+  end
+  return queue_key, entry
+end
+local function job_of(queue_key, entry)
+  local key, id = entry_in(queue_key, entry)
+  local old = redis.call('XRANGE', key, id, id)[1]
+  if not old then return nil end
+  for i = 1, #old[2], 2 do
+    if old[2][i] == F.job then return old[2][i + 1] end
+  end
+  return nil
+end
+local function ack_entry(queue_key, entry)
+  local key, id = entry_in(queue_key, entry)
+  redis.call('XACK', key, QUEUE_GROUP, id)
+  redis.call('XDEL', key, id)
+end
+local function requeue_job(queue_key, job)
+  return TAKEOVER_ENTRY .. redis.call('XADD', queue_key .. TAKEOVERS, '*', F.job, job)
 end
 """
 

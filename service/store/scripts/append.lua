@@ -78,10 +78,7 @@ while a <= #ARGV do
         if #ids == 1 then end_id = redis.call('HGET', meta_key, M.last) or '' end
         redis.call('XADD', KEYS[1], '*', F.summary, summary, F.end_id, end_id)
       end
-      if ack ~= '' then
-        redis.call('XACK', KEYS[2], QUEUE_GROUP, ack)
-        redis.call('XDEL', KEYS[2], ack)
-      end
+      if ack ~= '' then ack_entry(KEYS[2], ack) end
     end
     out[#out + 1] = ids
   end

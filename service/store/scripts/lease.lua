@@ -1,6 +1,7 @@
 -- A reader joins or refreshes its lease, and reports how far it has delivered. A reader
 -- that comes back to a parked request continues it: its job is queued again (ownerless,
--- the owner epoch bumped: a takeover's path), once, however many come back at once.
+-- the owner epoch bumped, in the takeover queue: a takeover's path), once, however many
+-- come back at once.
 -- KEYS[1] meta, KEYS[2] readers, KEYS[3] its partition's queue, KEYS[4] its partition's
 -- parked set, KEYS[5] log, KEYS[6] tails, KEYS[7] its partition's orphans (requests
 -- waiting for a worker to continue them); ARGV[1] reader token, ARGV[2] lease expiry (ms),
@@ -17,7 +18,7 @@ local unparked = T.unpark[state] ~= nil
 if unparked then
   local now = tonumber(ARGV[4])
   local m = redis.call('HMGET', KEYS[1], M.parked_job, M.parked_ms)
-  local entry = redis.call('XADD', KEYS[3], '*', F.job, m[1])
+  local entry = requeue_job(KEYS[3], m[1])
   redis.call('HINCRBY', KEYS[1], M.epoch, 1)
   redis.call('HSET', KEYS[1], M.state, S.RUNNING, M.owner, '', M.entry, entry,
     M.returned_ms, now)

@@ -10,27 +10,20 @@
 -- outlive the window (ms: a continuation's deadline and the finished log's TTL), ARGV[7]
 -- how long a continuation waits for a worker (ms)
 -- Returns {'PARKED', window end ms}; {'CONTINUED', entry}: a reader came back meanwhile, so
--- it is queued again at once (ownerless, as a takeover); {'FENCED'}: not the owner's to
+-- it is queued again at once (ownerless, in the takeover queue, as a takeover); {'FENCED'}: not the owner's to
 -- park (another worker took it over, or it ended). Either way the owner is fenced out now.
 local m = redis.call('HMGET', KEYS[1], M.epoch, M.state, M.grace_ms, M.gone_ms)
 if m[1] ~= ARGV[1] or not T.park[m[2]] then return {'FENCED'} end
-local old = redis.call('XRANGE', KEYS[3], ARGV[2], ARGV[2])[1]
-local job = nil
-if old then
-  for i = 1, #old[2], 2 do
-    if old[2][i] == F.job then job = old[2][i + 1] end
-  end
-end
+local job = job_of(KEYS[3], ARGV[2])
 if not job then return {'FENCED'} end
 local now = tonumber(ARGV[4])
 redis.call('HINCRBY', KEYS[1], M.epoch, 1)
 redis.call('HSET', KEYS[1], M.owner, '')
 redis.call('HINCRBY', KEYS[1], M.discarded, ARGV[3])
-redis.call('XACK', KEYS[3], QUEUE_GROUP, ARGV[2])
-redis.call('XDEL', KEYS[3], ARGV[2])
+ack_entry(KEYS[3], ARGV[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 if redis.call('ZCARD', KEYS[2]) > 0 then
-  local entry = redis.call('XADD', KEYS[3], '*', F.job, job)
+  local entry = requeue_job(KEYS[3], job)
   redis.call('HSET', KEYS[1], M.entry, entry)
   redis.call('ZADD', KEYS[7], now + tonumber(ARGV[7]), ARGV[5])
   return {'CONTINUED', entry}

@@ -1,5 +1,6 @@
--- Queue a job again behind a new queue entry, which becomes the only one that may claim
--- the request (the old entry is acked and deleted):
+-- Queue a job again behind a new entry in the partition's takeover queue (read by the
+-- workers ahead of fresh work), which becomes the only one that may claim the request
+-- (the old entry, in either queue, is acked and deleted):
 -- * a job its worker took but never started (it froze, or died before claiming);
 -- * a started request whose worker was lost (R.LOST, the sweeper) or is stopping and
 --   hands it over (R.HANDOVER, the worker itself, with its epoch): the owner epoch is
@@ -22,14 +23,9 @@ if not started and m[2] ~= '0' then return false end
 if started and ARGV[3] == R.LOST and tonumber(m[4] or '0') >= tonumber(ARGV[4]) then
   return {'EXHAUSTED', tonumber(m[4] or '0')}
 end
-local old = redis.call('XRANGE', KEYS[2], ARGV[1], ARGV[1])[1]
-if not old then return false end
-local job = nil
-for i = 1, #old[2], 2 do
-  if old[2][i] == F.job then job = old[2][i + 1] end
-end
+local job = job_of(KEYS[2], ARGV[1])
 if not job then return false end
-local entry = redis.call('XADD', KEYS[2], '*', F.job, job)
+local entry = requeue_job(KEYS[2], job)
 redis.call('HSET', KEYS[1], M.entry, entry)
 if started then
   redis.call('HINCRBY', KEYS[1], M.epoch, 1)
@@ -41,6 +37,5 @@ if started then
   end
   redis.call('ZADD', KEYS[3], ARGV[7], ARGV[6])
 end
-redis.call('XACK', KEYS[2], ARGV[2], ARGV[1])
-redis.call('XDEL', KEYS[2], ARGV[1])
+ack_entry(KEYS[2], ARGV[1])
 return {'OK', entry}
