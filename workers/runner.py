@@ -27,6 +27,7 @@ from service.store import commit
 from service.store.batcher import AppendBatcher
 from service.store.control import Control
 from service.store.keys import Keys
+from service.store.liveness import Announcer
 from service.store.log import RedisLog, Retention
 from service.store.pool import survived
 from service.store.queue import Heartbeat, Heartbeats, Job, RequestQueue
@@ -52,6 +53,8 @@ class Runner:
         self.queue = RequestQueue(redis, keys)
         self.heartbeats = Heartbeats(redis, keys)
         self.control = Control(redis, keys)
+        # held while this process lives: the API processes see it go the moment it dies
+        self.announcer = Announcer(redis, keys, settings.worker_id, self._beat)
         self.batcher = AppendBatcher(self.log, interval_s=settings.flush_interval_ms / 1000)
         self.generation = Generation(engine, model, self.batcher, settings.request_deadline_s)
         self.watch = PresenceWatch(
@@ -82,7 +85,11 @@ class Runner:
     async def run(self) -> None:
         await self.queue.ensure_group()
         self.batcher.start()
-        watchers = [*self.watch.tasks(), asyncio.create_task(self._heartbeat(), name="heartbeat")]
+        watchers = [
+            *self.watch.tasks(),
+            asyncio.create_task(self._heartbeat(), name="heartbeat"),
+            asyncio.create_task(self.announcer.run(), name="named-connection"),
+        ]
         try:
             await self._claim_loop()
             await self._drain()
@@ -178,21 +185,24 @@ class Runner:
         """Tell the API processes this worker is alive, its slots, and how long requests take
         (what the 503 "queue would wait too long" estimate is made of)."""
         while True:
-            stopping = self._stopping.is_set()  # still alive, but no slots for admission
-            beat = Heartbeat(
-                0 if stopping else self.settings.worker_concurrency,
-                0 if stopping else len(self._tasks),
-                int(time.time() * 1000),
-                int(self.serve.mean_service_ms),
-                frozenset(t.get_name() for t in self._tasks),
-            )
-            SLOTS.set(beat.slots)
-            RUNNING.set(len(self._tasks))
             try:
-                await self.heartbeats.beat(self.settings.worker_id, beat)
+                await self._beat()
             except Exception as exc:  # noqa: BLE001 - a silent worker gets taken over
                 survived("a heartbeat", exc)
             await asyncio.sleep(self.settings.worker_heartbeat_s)
+
+    async def _beat(self) -> None:
+        stopping = self._stopping.is_set()  # still alive, but no slots for admission
+        beat = Heartbeat(
+            0 if stopping else self.settings.worker_concurrency,
+            0 if stopping else len(self._tasks),
+            int(time.time() * 1000),
+            int(self.serve.mean_service_ms),
+            frozenset(t.get_name() for t in self._tasks),
+        )
+        SLOTS.set(beat.slots)
+        RUNNING.set(len(self._tasks))
+        await self.heartbeats.beat(self.settings.worker_id, beat)
 
     async def _drain(self) -> None:
         """Let running requests finish for ``worker_drain_s``; hand the rest over."""

@@ -42,6 +42,7 @@ from service.store.commit import Committer
 from service.store.control import Control
 from service.store.keys import Keys
 from service.store.limits import Limits
+from service.store.liveness import Observer
 from service.store.log import RedisLog, Retention
 from service.store.pool import UNREACHABLE, connect, warm
 from service.store.presence import Presence
@@ -199,6 +200,9 @@ async def serving(settings: Settings, model: ModelInfo, drain: Drain) -> AsyncIt
         max_takeovers=settings.max_takeovers,
         takeover_wait_s=settings.takeover_wait_s,
         request_deadline_s=settings.request_deadline_s,
+        connections=Observer(redis, keys) if settings.worker_connection_grace_s >= 0 else None,
+        connection_grace_s=settings.worker_connection_grace_s,
+        connection_poll_s=settings.worker_connection_poll_s,
     )
     sweeping = asyncio.create_task(sweeper.run(), name="sweeper")
     lag = asyncio.create_task(watch_loop_lag(), name="event-loop-lag")

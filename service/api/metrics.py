@@ -15,6 +15,10 @@ REJECTED = Counter(
     ["status", "reason"],
 )
 READERS = Gauge("lastevent_readers", "Readers following a log in this API process")
+WORKER_CONNECTIONS_LOST = Counter(
+    "lastevent_worker_connections_lost_total",
+    "Workers whose named connection this API process saw gone (their jobs taken over)",
+)
 REQUEUED = Counter(
     "lastevent_requeued_total",
     "Jobs queued again by the sweeper (reason: lost = a started request's worker was lost)",

@@ -2,11 +2,14 @@
 
 A job a worker took stays pending in the queue's consumer group under its name until
 the request's terminal event is written. Every API process sweeps the pending jobs that
-nobody serves: those of a worker whose heartbeat is stale (killed, frozen), and those of
-a live worker that its heartbeat does not name (it lost them: a read whose reply was
-lost). Such a job, once idle for ``stale_s`` (and moved to the sweeper, so that one
-sweeper wins), is queued again (``requeue.lua``) behind a new entry, which is the only
-one that may claim it, so a frozen worker that wakes up does nothing:
+nobody serves: those of a worker whose connection is gone (killed: seen within a poll
+and a grace, ``store/liveness.py``), those of a worker whose heartbeat is stale (frozen,
+partitioned, or killed while no sweeper could see its connection), and those of a live
+worker that its heartbeat does not name (it lost them: a read whose reply was lost).
+Such a job -- a gone worker's at once, the others' once idle for ``stale_s`` (moved to
+the sweeper, so that one sweeper wins) -- is queued again (``requeue.lua``) behind a new
+entry in the takeover queue, which is the only one that may claim it, so a frozen worker
+that wakes up (or a live one whose connection was killed) does nothing:
 
 * never started (still ``queued``): another worker simply runs it;
 * started: the owner epoch is bumped (the old worker is fenced out at once) and the next
@@ -23,8 +26,10 @@ import asyncio
 import logging
 import time
 
-from service.api.metrics import REQUEUED
+from service.api.metrics import REQUEUED, WORKER_CONNECTIONS_LOST
+from service.store.liveness import Judge, Observer
 from service.store.log import LogError, RedisLog
+from service.store.pool import survived
 from service.store.queue import Heartbeats, Job, RequestQueue, wait_for_takeover
 from service.stream import endings
 from service.stream.endings import Failure
@@ -46,6 +51,9 @@ class Sweeper:
         max_takeovers: int = 2,
         takeover_wait_s: float = 0.0,
         request_deadline_s: float = 600.0,
+        connections: Observer | None = None,
+        connection_grace_s: float = 0.25,
+        connection_poll_s: float = 0.1,
     ) -> None:
         self.log = log_
         self.queue = queue
@@ -64,8 +72,57 @@ class Sweeper:
         self._judge_from = 0.0
         self._lost_contact = False
         self._hash_lost = False
+        self.connections = connections  # None: the heartbeat alone
+        self.connection_poll_s = connection_poll_s
+        # polls further apart than this (or than the grace) were not one continuous view
+        self.judge = Judge(connection_grace_s, max(1.0, connection_grace_s))
 
     async def run(self) -> None:
+        watching = [asyncio.create_task(self._sweeping(), name="sweep")]
+        if self.connections is not None:
+            watching.append(asyncio.create_task(self._watch_connections(), name="connections"))
+        try:
+            await asyncio.gather(*watching)
+        finally:
+            for task in watching:
+                task.cancel()
+            await asyncio.gather(*watching, return_exceptions=True)
+            if self.connections is not None:
+                await self.connections.close()
+
+    async def _watch_connections(self) -> None:
+        """Every ``connection_poll_s``: whose connection is gone; their jobs go at once."""
+        assert self.connections is not None
+        asked: list[str] = []
+        # workers judged gone, not back since (when judged): a process whose connection was
+        # killed but which lives (frozen) may still be handed jobs by a blocked read it
+        # sent before; those are taken over too, until its heartbeat is stale
+        gone: dict[str, float] = {}
+        while True:
+            await asyncio.sleep(self.connection_poll_s)
+            try:
+                known, connected = await self.connections.poll(asked)
+            except Exception as exc:  # noqa: BLE001 - the view is broken: start again
+                self.judge.reset()
+                asked = []
+                survived("watching the workers' connections", exc)
+                continue
+            now = time.monotonic()
+            for worker in self.judge.observe(now, asked, connected):
+                WORKER_CONNECTIONS_LOST.inc()
+                log.warning("worker %s: its connection is gone; taking over its jobs", worker)
+                gone[worker] = now
+            asked = known
+            for worker, since in list(gone.items()):
+                if worker in connected or now - since > self.stale_s:
+                    del gone[worker]
+                    continue
+                try:
+                    await self.take_over(worker)
+                except Exception as exc:  # noqa: BLE001 - its heartbeat goes stale then
+                    survived(f"taking over the jobs of {worker}", exc)
+
+    async def _sweeping(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
             try:
@@ -108,25 +165,44 @@ class Sweeper:
                 beat = await self.heartbeats.get(consumer)
                 alive = beat is not None and beat.fresh(now_ms, self.stale_s)
                 served = beat.running if alive and beat is not None else frozenset()
-                orphans = [
-                    p
-                    for p in await self.queue.pending(part, consumer)
-                    if p.idle_ms >= stale_ms and (p.job is None or p.job.request_id not in served)
-                ]
-                entries = [p.entry_id for p in orphans]
-                taken = set(await self.queue.take(part, entries, self.sweeper_id, stale_ms))
-                for p in orphans:
-                    if p.entry_id not in taken:
-                        continue  # another sweeper took it, or the worker acted meanwhile
-                    if p.job is None:
-                        await self.queue.ack(part, p.entry_id)
-                    else:
-                        await self._requeue(part, p.entry_id, p.job, consumer)
-                    swept += 1
+                how = "its heartbeat is stale" if not alive else "its heartbeat does not name it"
+                swept += await self._sweep(part, consumer, stale_ms, served, how)
         self.swept += swept
         return swept
 
-    async def _requeue(self, part: int, entry_id: bytes, job: Job, worker: str) -> None:
+    async def take_over(self, worker: str) -> int:
+        """Queue again every job of ``worker``, whose connection is gone, now."""
+        swept = 0
+        for part in self.queue.keys.all_partitions:
+            swept += await self._sweep(part, worker, 0, frozenset(), "its connection is gone")
+        self.swept += swept
+        return swept
+
+    async def _sweep(
+        self, part: int, consumer: str, idle_ms: int, served: frozenset[str], how: str
+    ) -> int:
+        """Queue again ``consumer``'s jobs of a partition idle at least ``idle_ms`` that
+        it does not serve. Of several sweepers at once, one moves each job: the one whose
+        ``take`` got it (the idle time), or the one whose ``requeue`` found it current."""
+        swept = 0
+        orphans = [
+            p
+            for p in await self.queue.pending(part, consumer)
+            if p.idle_ms >= idle_ms and (p.job is None or p.job.request_id not in served)
+        ]
+        entries = [p.entry_id for p in orphans]
+        taken = set(await self.queue.take(part, entries, self.sweeper_id, idle_ms))
+        for p in orphans:
+            if p.entry_id not in taken:
+                continue  # another sweeper took it, or the worker acted meanwhile
+            if p.job is None:
+                await self.queue.ack(part, p.entry_id)
+            else:
+                await self._requeue(part, p.entry_id, p.job, consumer, how)
+            swept += 1
+        return swept
+
+    async def _requeue(self, part: int, entry_id: bytes, job: Job, worker: str, how: str) -> None:
         rid = job.request_id
         done = await self.queue.requeue(
             rid,
@@ -139,7 +215,7 @@ class Sweeper:
         )
         if done.entry_id is not None:
             REQUEUED.labels(reason=str(Requeue.LOST)).inc()
-            log.warning("request %s: its worker %s is lost; queued again", rid, worker)
+            log.warning("request %s: its worker %s is lost (%s); queued again", rid, worker, how)
             return
         if done.exhausted is not None:
             times = done.exhausted + 1

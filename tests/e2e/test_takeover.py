@@ -220,6 +220,136 @@ def test_a_killed_workers_streams_continue_on_the_other(stack: Stack) -> None:
     reconcile_clean(st, since)
 
 
+def named_connections(st: Stack) -> list[tuple[redis.Redis, dict[str, Any]]]:
+    """Every client connection of the stack's Redis (each cluster node's) with its node's
+    client."""
+    client = store(st)
+    if isinstance(client, redis.RedisCluster):
+        nodes = [client.get_redis_connection(n) for n in client.get_nodes()]
+    else:
+        nodes = [client]
+    return [(node, c) for node in nodes for c in node.client_list()]
+
+
+def kill_connection(st: Stack, worker_id: str) -> None:
+    """``CLIENT KILL`` the worker's named connection (``lastevent-worker-<id>``)."""
+    found = [
+        (n, c) for n, c in named_connections(st) if c["name"] == f"lastevent-worker-{worker_id}"
+    ]
+    assert len(found) == 1, found
+    [(node, conn)] = found
+    assert node.client_kill_filter(_id=conn["id"]) == 1
+
+
+def test_a_killed_worker_is_seen_gone_by_its_connection(
+    tmp_path: Path, redis_url: str, takeover_db: str, model_dir: Path
+) -> None:
+    """kill -9: the kernel closes its connections, and the API processes take its requests
+    over then -- long before its heartbeat (here: 10 min) could go stale."""
+    st = make_stack(
+        tmp_path,
+        redis_url,
+        takeover_db,
+        model_dir,
+        scripted_tokens_per_s=40.0,
+        worker_stale_s=600.0,
+        worker_concurrency=32,
+        recorder_claim_idle_ms=1000,
+    )
+    try:
+        procs = {"a": st.start_worker("a"), "b": st.start_worker("b")}
+        st.start_api()
+        st.start_api()  # two sweepers: one moves each job
+        wait_until(lambda: len(named_connections_of(st)) == 2, "both workers' named connections")
+        clients = start_streams(st, [Stream(q) for q in questions(6)])
+        clients.wait_started()
+        owners = {s.request_id: owner_of(st, s.request_id) for s in clients.streams}
+        victim = proc_named(st, procs, owners[clients.streams[0].request_id])
+        procs[victim].send_signal(signal.SIGKILL)
+        procs[victim].wait()
+        clients.join()
+        for s in clients.streams:
+            lost = owners[s.request_id].startswith(f"{victim}-")
+            assert_whole(st, s, s.question, takeovers=int(lost))
+        logs = api_logs(st)
+        assert f"worker {victim}-" in logs and "its connection is gone" in logs
+        assert "its heartbeat is stale" not in logs
+    finally:
+        st.stop()
+
+
+def api_logs(st: Stack) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted(st.logs.glob("api-*.log")))
+
+
+def named_connections_of(st: Stack) -> list[str]:
+    """The named connections of this stack's workers (other tests' stacks share Redis)."""
+    keys = Keys(st.settings.key_prefix, st.settings.partitions)
+    ours = {f"lastevent-worker-{w.decode()}" for w in store(st).hkeys(keys.workers)}
+    return [c["name"] for _, c in named_connections(st) if c["name"] in ours]
+
+
+def test_a_live_worker_whose_connection_was_killed_is_fenced(
+    tmp_path: Path, redis_url: str, takeover_db: str, model_dir: Path
+) -> None:
+    """Its process lives (frozen, then woken) but its named connection was killed (a
+    proxy reset, ``CLIENT KILL``): taken for gone, its requests go on elsewhere, and when it
+    wakes its appends are fenced out -- nothing doubled -- and it announces itself again."""
+    st, since = (
+        make_stack(
+            tmp_path,
+            redis_url,
+            takeover_db,
+            model_dir,
+            scripted_tokens_per_s=40.0,
+            worker_stale_s=600.0,
+            worker_concurrency=32,
+            recorder_claim_idle_ms=1000,
+        ),
+        now(),
+    )
+    try:
+        procs = {"a": st.start_worker("a"), "b": st.start_worker("b")}
+        st.start_api()
+        wait_until(lambda: len(named_connections_of(st)) == 2, "both workers' named connections")
+        clients = start_streams(st, [Stream(q) for q in questions(3)])
+        clients.wait_started()
+        first = clients.streams[0]
+        owner = owner_of(st, first.request_id)
+        name = proc_named(st, procs, owner)
+        taken = [s.request_id for s in clients.streams if owner_of(st, s.request_id) == owner]
+        os.kill(procs[name].pid, signal.SIGSTOP)  # (it cannot make its connection again)
+        kill_connection(st, owner)
+        for rid in taken:
+            wait_until(lambda rid=rid: owner_of(st, rid) not in ("", owner), "a takeover")
+        grown = len(logged_text(st, first.request_id))
+        wait_until(lambda: len(logged_text(st, first.request_id)) > grown, "the log to grow")
+        os.kill(procs[name].pid, signal.SIGCONT)  # it wakes with appends in hand
+        clients.join()
+        for s in clients.streams:
+            assert_whole(st, s, s.question, takeovers=int(s.request_id in taken))
+        wait_until(
+            lambda: "taken over by another worker" in st.tail(name, 10**7),
+            "the woken worker to notice it was fenced out",
+        )
+        wait_until(
+            lambda: f"lastevent-worker-{owner}" in named_connections_of(st),
+            "the woken worker's named connection again",
+        )
+        assert "its connection is gone" in api_logs(st)
+        # it serves again
+        again = start_streams(st, [Stream(q) for q in questions(4, "again " * 20)])
+        again.join()
+        for s in again.streams:
+            assert_whole(st, s, s.question, takeovers=0)
+        reconcile_clean(st, since)
+    finally:
+        for p in st.procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+        st.stop()
+
+
 def test_a_cut_inside_a_stop_string_prefix_still_stops(stack: Stack) -> None:
     """Killed while the log ends right where a possible stop string ("STOP!") starts (the
     worker held "S", "ST" or "STO" back, or was about to make it): the next worker holds
@@ -295,6 +425,9 @@ def test_a_frozen_worker_woken_after_the_takeover_writes_nothing(stack: Stack) -
         lambda: "taken over by another worker" in st.tail(frozen, 10**7),
         "the woken worker to notice it was fenced out",
     )
+    # frozen, it kept its connection: the heartbeat found it
+    logs = api_logs(st)
+    assert "its heartbeat is stale" in logs and "its connection is gone" not in logs
     reconcile_clean(st, since)
 
 

@@ -213,3 +213,27 @@ async def test_a_takeover_is_read_ahead_of_a_backlog_of_fresh_work(redis: Redis,
         await queue.ack(0, e)
     assert [(await redis.xpending(s, QUEUE_GROUP))["pending"] for s in queue.streams(0)] == [0, 0]
     assert await queue.depth() == 0
+
+
+async def test_a_continuation_a_frozen_worker_was_handed_moves_without_a_takeover(
+    redis: Redis, key_prefix: str
+):
+    """A frozen process's blocked read, sent before it froze, is handed a continuation:
+    taken from it, the request moves on, but no second worker was lost with it."""
+    keys = Keys(key_prefix)
+    log, queue, beats = RedisLog(redis, keys), RequestQueue(redis, keys), Heartbeats(redis, keys)
+    await queue.ensure_group()
+    rid = await submitted(log, queue)
+    await lose(log, queue, beats, rid, "dead")
+    sweeper = Sweeper(log, queue, beats, sweeper_id="s1", stale_s=0.05)
+    assert await sweeper.sweep() == 1
+    epoch = (await log.meta(rid)).epoch  # type: ignore[union-attr]
+    [(handed, _)] = await queue.read(0, "frozen", count=1, block_ms=100)
+    assert await sweeper.take_over("frozen") == 1
+    meta = await log.meta(rid)
+    assert meta is not None and (meta.recovery.takeovers, meta.epoch) == (1, epoch)
+    [(entry, job)] = await queue.read(0, "next", count=1, block_ms=100)
+    assert job.request_id == rid and entry != handed
+    assert await log.claim(rid, "frozen", handed) is None  # it wakes: refused
+    owner = await log.claim(rid, "next", entry)
+    assert owner is not None and owner.epoch == epoch + 1

@@ -14,20 +14,23 @@
 -- Returns {'OK', new entry id}; {'EXHAUSTED', takeovers} when it was lost too often; or
 -- false when the request is not waiting behind that entry (claimed by another, ended,
 -- queued again already, or the caller is not its owner any more).
-local m = redis.call('HMGET', KEYS[1], M.state, M.epoch, M.entry, M.takeovers)
+local m = redis.call('HMGET', KEYS[1], M.state, M.epoch, M.entry, M.takeovers, M.owner)
 local state = m[1]
 if not T.requeue[state] or (m[3] and m[3] ~= ARGV[1]) then return false end
 if ARGV[5] ~= '' and m[2] ~= ARGV[5] then return false end
 local started = state == S.RUNNING
 if not started and m[2] ~= '0' then return false end
-if started and ARGV[3] == R.LOST and tonumber(m[4] or '0') >= tonumber(ARGV[4]) then
+-- a continuation nobody claimed yet (a frozen worker's blocked read was handed it): it
+-- moves to a new entry, but no worker was lost with it
+local lost = started and (m[5] or '') ~= ''
+if lost and ARGV[3] == R.LOST and tonumber(m[4] or '0') >= tonumber(ARGV[4]) then
   return {'EXHAUSTED', tonumber(m[4] or '0')}
 end
 local job = job_of(KEYS[2], ARGV[1])
 if not job then return false end
 local entry = requeue_job(KEYS[2], job)
 redis.call('HSET', KEYS[1], M.entry, entry)
-if started then
+if lost then
   redis.call('HINCRBY', KEYS[1], M.epoch, 1)
   redis.call('HSET', KEYS[1], M.owner, '')
   if ARGV[3] == R.LOST then

@@ -1,0 +1,214 @@
+"""Liveness from connections: a worker is gone when its connection is.
+
+A process killed by ``kill -9`` or the OOM killer has its sockets closed by the kernel,
+and Redis drops the connection at once. So each worker holds a connection of its own,
+named ``lastevent-worker-<id>`` (``CLIENT SETNAME``: operators see it in
+``CLIENT LIST``), to the node that holds the heartbeats, subscribed to a sharded
+channel of its own in the heartbeats' slot (``keys.alive``). While it lives, that node
+counts one subscriber on the channel; the moment the connection is gone, none
+(``PUBSUB SHARDNUMSUB``, one call for every worker). ``Announcer`` keeps the worker's
+connection (made again at once after a blip, which re-announces the worker with a
+heartbeat); ``Observer`` asks the node; ``Judge`` (no I/O) decides.
+
+The judgment is made only from what one observer saw continuously on one node: a worker
+must have been seen subscribed there, then seen without a subscription for a grace
+(``worker_connection_grace_s``) long enough for a connection that blipped to come back.
+Whatever breaks the observer's own view -- its connection to the node failed or was
+made again (a Redis restart, a failover: every worker lost its connection too), a poll
+that failed or was late (Redis or the observer stalled) -- forgets everything seen, so
+no worker is judged gone because the store went away. A frozen or partitioned worker
+keeps its connection: the heartbeat stays for those, unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import AbstractConnection
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from service.store import replies
+from service.store.keys import Keys
+from service.store.pool import STORE_ERRORS, survived
+
+log = logging.getLogger(__name__)
+
+NAME_PREFIX = "lastevent-worker-"
+
+
+class Judge:
+    """Which workers' connections are gone (no I/O): ``observe`` is told, per poll, which
+    workers were asked about and which of them hold their connection."""
+
+    def __init__(self, grace_s: float, max_gap_s: float) -> None:
+        self.grace_s = grace_s
+        self.max_gap_s = max_gap_s  # polls further apart: the view was broken
+        self._seen: set[str] = set()  # connected at some poll since the last reset
+        self._absent: dict[str, float] = {}  # seen, then not: since when
+        self._last: float | None = None
+
+    def reset(self) -> None:
+        """Forget everything: the view was broken (the observer's connection, the node, a
+        failed or late poll)."""
+        self._seen.clear()
+        self._absent.clear()
+        self._last = None
+
+    def observe(self, now: float, asked: Iterable[str], connected: Iterable[str]) -> list[str]:
+        """One poll at ``now`` (monotonic s): the workers ``asked`` about, those of them
+        ``connected``. Returns the workers judged gone now (each once per disappearance)."""
+        if self._last is not None and now - self._last > self.max_gap_s:
+            self.reset()
+        self._last = now
+        asked, connected = set(asked), set(connected)
+        self._seen &= asked  # a worker no longer known (it stopped cleanly) is forgotten
+        gone = []
+        for worker in sorted(asked):
+            if worker in connected:
+                self._seen.add(worker)
+                self._absent.pop(worker, None)
+            elif worker in self._seen:
+                since = self._absent.setdefault(worker, now)
+                if now - since >= self.grace_s:
+                    gone.append(worker)
+                    self._seen.discard(worker)
+                    self._absent.pop(worker, None)
+        self._absent = {w: t for w, t in self._absent.items() if w in self._seen}
+        return gone
+
+
+def node_connection(redis: Redis, key: str, **overrides: Any) -> tuple[AbstractConnection, str]:
+    """A new connection of its own (not a pooled one) to the node that holds ``key``, and
+    that node's name."""
+    client: object = redis
+    if isinstance(client, RedisCluster):
+        node = client.get_node_from_key(key)
+        if node is None:
+            raise RedisConnectionError(f"no node serves {key} now")
+        conn: AbstractConnection = node.connection_class(**{**node.connection_kwargs, **overrides})
+        return conn, str(node.name)
+    pool = redis.connection_pool
+    return pool.connection_class(**{**pool.connection_kwargs, **overrides}), "single"
+
+
+async def relearn(redis: Redis, keys: Keys) -> None:
+    """After a failure on a cluster: one command through the cluster client, which learns
+    the slot map again on a connection error or a redirect."""
+    with contextlib.suppress(*STORE_ERRORS):
+        await redis.exists(keys.workers)
+
+
+class Announcer:
+    """A worker's named connection, subscribed to its ``alive`` channel while it lives.
+    ``announced`` runs each time the subscription is (re)made (a heartbeat at once)."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        worker_id: str,
+        announced: Callable[[], Awaitable[None]],
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.worker_id = worker_id
+        self.name = NAME_PREFIX + "".join(c if "!" <= c <= "~" else "_" for c in worker_id)
+        self._announced = announced
+        self.connected = asyncio.Event()
+        self.connections = 0  # subscriptions made (tests, logs)
+
+    async def run(self) -> None:
+        backoff = 0.02
+        while True:
+            try:
+                await self._hold()
+                backoff = 0.02  # it had been subscribed: try again at once
+            except Exception as exc:  # noqa: BLE001 - the connection is made again
+                survived("the worker's named connection", exc)
+                await relearn(self.redis, self.keys)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 1.0)
+
+    async def _hold(self) -> None:
+        channel = self.keys.alive(self.worker_id)
+        conn, node = node_connection(
+            self.redis, self.keys.workers, socket_timeout=None, client_name=self.name
+        )
+        try:
+            await conn.connect()  # type: ignore[no-untyped-call]
+            await conn.send_command("SSUBSCRIBE", channel)
+            reply = await conn.read_response()
+            if not isinstance(reply, list) or replies.text(reply[0]).lower() != "ssubscribe":
+                raise RedisConnectionError(f"SSUBSCRIBE answered {reply!r}")
+            self.connections += 1
+            if self.connections > 1:
+                log.info("the worker's named connection is back (%s)", node)
+            self.connected.set()
+            try:
+                await self._announced()
+            except Exception as exc:  # noqa: BLE001 - the next heartbeat says it
+                survived("a heartbeat after connecting", exc)
+            while True:  # nothing is published: a reply is the slot moving, or an error
+                message = await conn.read_response()
+                if isinstance(message, list) and message:
+                    kind = replies.text(message[0]).lower()
+                    if kind == "sunsubscribe":  # the slot moved: follow it to its node
+                        log.info("the heartbeats' slot moved from %s", node)
+                        await relearn(self.redis, self.keys)
+                        return
+        finally:
+            self.connected.clear()
+            await conn.disconnect()
+
+
+class Observer:
+    """Asks the node that holds the heartbeats which workers hold their connection, on a
+    connection of its own: any failure closes it, and the caller forgets what it saw."""
+
+    def __init__(self, redis: Redis, keys: Keys, *, timeout_s: float = 1.0) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.timeout_s = timeout_s
+        self._conn: AbstractConnection | None = None
+
+    async def poll(self, asked: list[str]) -> tuple[list[str], set[str]]:
+        """The workers with a heartbeat now, and which of ``asked`` hold their connection.
+        Raises on any failure (the connection is closed: the view is broken)."""
+        try:
+            if self._conn is None:
+                self._conn, _ = node_connection(
+                    self.redis, self.keys.workers, socket_timeout=self.timeout_s
+                )
+                await self._conn.connect()  # type: ignore[no-untyped-call]
+            conn = self._conn
+            commands: list[tuple[Any, ...]] = [("HKEYS", self.keys.workers)]
+            if asked:
+                channels = [self.keys.alive(w) for w in asked]
+                commands.append(("PUBSUB", "SHARDNUMSUB", *channels))
+            await conn.send_packed_command(conn.pack_commands(commands))
+            known = [replies.text(w) for w in await conn.read_response()]
+            connected: set[str] = set()
+            if asked:
+                counts = await conn.read_response()
+                for worker, n in zip(asked, counts[1::2], strict=True):
+                    if int(n) > 0:
+                        connected.add(worker)
+            return known, connected
+        except Exception:
+            await self.close()
+            await relearn(self.redis, self.keys)
+            raise
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            await conn.disconnect()
