@@ -1,35 +1,40 @@
-"""The pause a client sees when its worker dies (kill -9) or stops (SIGTERM) mid-answer,
-real processes, the scripted engine; figures for the docs, printed, not asserted.
+"""The pause a client sees when its worker dies (kill -9), freezes (SIGSTOP) or stops
+(SIGTERM) mid-answer, and whether stalls of a live worker or of Redis make anyone take a
+live worker for lost: real processes, the scripted engine, default settings; figures for
+the docs, printed, not asserted.
 
 Per round, ``--streams`` clients stream an answer from a stack of one API process and
-two workers; once every stream is moving (and a random moment more, so the kill falls
-anywhere in the heartbeat and sweep cycles) the worker that owns most of them is killed
-(``kill -9``) or stopped (``SIGTERM``, ``worker_drain_s`` small). Its streams pause
-until the API's sweeper (every ``sweep_interval_s``) sees its heartbeat stale
-(``worker_stale_s``) and queues them again -- a SIGTERM'd worker hands them over itself
--- and the other worker continues them from the log. A replacement worker is started
-once they moved on, and is ready before the next round: every round is a fresh pair.
+two workers on a Redis of the bench's own (``appendfsync always``: the default
+durability ``disk``); once every stream is moving (and a random moment more, so the
+signal falls anywhere in the heartbeat, poll and sweep cycles) the worker that owns most
+of them is killed (``kill -9``: its connections close, the API processes see its named
+connection gone within a poll and ``worker_connection_grace_s``), frozen (``SIGSTOP``,
+past ``worker_stale_s``: its connection stays, the heartbeat finds it; it is killed
+once its streams moved on) or stopped (``SIGTERM``, ``worker_drain_s`` small: it hands
+them over itself). The other worker continues them from the log. A replacement worker
+is started once they moved on, and is ready before the next round.
 
-Reported per setting (``kill -9`` at each ``--stale`` value, then SIGTERM): the pause,
-the gap between the last content event the lost worker wrote and the first the next one
-wrote, as the client received them (p50 / p99 / max over the streams of all rounds);
-split by the log lines into the signal to "queued again" (the sweeper's: detection) or
-"handed over" (the stopping worker's), to "continuing it" (the next worker's claim), to
-that worker's first event at the client (re-prefill, first token, append, tail); the
-same clients' normal inter-event gap (every other gap) and pause / gap; tokens prefilled
-again per takeover (billing rows: ``reprefill_tokens / (takeovers + handovers)``);
-takeovers of streams whose worker was not signalled (false detections); and every text
-checked against the question (the scripted engine echoes it): lost / duplicated
-characters.
+Reported per setting: the pause, the gap between the last content event the lost worker
+wrote and the first the next one wrote, as the client received them (p50 / p99 / max
+over the paused streams of all rounds); split by the log lines into the signal to
+"queued again" (detection) or "handed over", to "continuing it" (the next worker's
+claim), to that worker's first event at the client; the same clients' normal
+inter-event gap and pause / gap; tokens prefilled again per takeover (billing rows);
+takeovers of streams whose worker was not signalled; every text checked against the
+question (the scripted engine echoes it): lost / duplicated characters.
+
+Then ``--stalls`` stalls of 3 s each of a live worker (SIGSTOP, SIGCONT; the two in
+turn) and as many of Redis (SIGSTOP, SIGCONT) under streams that run throughout: how
+many live workers were taken for lost (API log lines, and billing rows with a takeover)
+and every text checked.
 
     make bench-takeover                            # = .venv/bin/python -m bench.takeover
-    .venv/bin/python -m bench.takeover --kills 20 --stale 5,2,1 --handovers 10
+    .venv/bin/python -m bench.takeover --kills 4 --stops 2 --handovers 2 --stalls 5
 
-Needs Redis (``LASTEVENT_REDIS_URL``, else the local one on 6379, else an embedded
-Valkey) and Postgres (``LASTEVENT_TEST_PG_URL``, else the local server on 5432, else an
-embedded one): a database of its own is made and dropped, keys get a random prefix.
-Writes ``takeover.md`` and every stream's event times (``takeover.json``) to ``--out``,
-the processes' logs to ``<out>/logs/takeover-*``. The default run takes under 3 minutes.
+Needs Postgres (``LASTEVENT_TEST_PG_URL``, else the local server on 5432, else an
+embedded one): a database of its own is made and dropped. Writes ``takeover.md`` and
+every stream's event times (``takeover.json``) to ``--out``, the processes' logs to
+``<out>/logs/takeover``. The default run takes about 15 minutes.
 """
 
 from __future__ import annotations
@@ -61,14 +66,16 @@ import httpx
 import msgspec
 import redis
 
-from bench.harness import local_redis
+from service.settings import Settings
 from service.store.keys import Keys
 from tests.conftest import migrated_database
 from tests.e2e.conftest import Stack, make_stack
+from tests.servers import OwnRedis
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "SmolLM2-135M-Instruct"
 HEARTBEAT_S = 1.0  # workers/runner.py: Runner._heartbeat sleeps this long between beats
+SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
 SAFETY_S = 90.0  # a hang guard only
 
 _decode = msgspec.json.Decoder().decode
@@ -176,8 +183,7 @@ def question(tag: str, model_dir: Path, tokens: int) -> str:
 @dataclasses.dataclass
 class Setting:
     name: str
-    mode: str  # kill | term
-    stale_s: float
+    mode: str  # kill | stop | term
     rounds: int
 
 
@@ -255,6 +261,8 @@ class Bench:
             if time.monotonic() > at + SAFETY_S:
                 raise TimeoutError(f"round {tag}: no takeover")
             await asyncio.sleep(0.02)
+        if sig == signal.SIGSTOP:  # frozen past the staleness bound: gone for good now
+            proc.kill()
         fresh = self.start_worker(wait=False)
         await asyncio.wait_for(asyncio.gather(*tasks), SAFETY_S)
         await asyncio.to_thread(proc.wait, 30)
@@ -270,7 +278,8 @@ class Bench:
 
 LINE = re.compile(
     r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?request (\S+): "
-    r"(its worker \S+ is lost; queued again|handed over to another worker|continuing it)"
+    r"(its worker \S+ is lost(?: \([^)]*\))?; queued again|handed over to another worker|"
+    r"continuing it)"
 )
 
 
@@ -316,7 +325,7 @@ def billing_rows(database_url: str, rids: list[str], timeout_s: float = 60) -> d
 
 
 async def drive(bench: Bench, setting: Setting) -> list[Stream]:
-    sig = signal.SIGKILL if setting.mode == "kill" else signal.SIGTERM
+    sig = SIGNALS[setting.mode]
     streams: list[Stream] = []
     async with httpx.AsyncClient(base_url=bench.st.url, timeout=SAFETY_S) as client:
         await bench.round(client, f"{setting.mode}-warm", None, 20)
@@ -327,24 +336,24 @@ async def drive(bench: Bench, setting: Setting) -> list[Stream]:
 
 
 def run_stack(
-    stale_s: float, settings: list[Setting], args: argparse.Namespace, redis_url: str, db: str
-) -> list[Result]:
-    tmp = args.out / "logs" / f"takeover-stale{stale_s:g}s"
+    settings: list[Setting], args: argparse.Namespace, server: OwnRedis, db: str
+) -> tuple[list[Result], list[dict[str, str]]]:
+    tmp = args.out / "logs" / "takeover"
     shutil.rmtree(tmp, ignore_errors=True)
     st = make_stack(
         tmp,
-        redis_url,
+        server.url,
         db,
         args.model_dir,
         scripted_tokens_per_s=args.rate,
-        worker_stale_s=stale_s,
+        durability="disk",  # the default (the bench's Redis: appendfsync always)
         worker_drain_s=args.drain,
-        sweep_interval_s=args.sweep,
         worker_concurrency=32,
         recorder_claim_idle_ms=1000,  # a killed worker's outbox entries are recorded soon
     )
     bench = Bench(st, args)
     results = []
+    stalls: list[dict[str, str]] = []
     try:
         bench.start_worker()
         bench.start_worker()
@@ -355,26 +364,110 @@ def run_stack(
             streams = asyncio.run(drive(bench, setting))
             took = time.monotonic() - started
             rows = billing_rows(db, [s.request_id for s in streams if s.request_id])
-            lines = log_times(st.logs)
-            phases: dict[str, list[float]] = {"queued": [], "claimed": [], "event": []}
-            for s in (s for s in streams if s.victim):
-                queued = [t for t in lines[(s.request_id, "queued")] if t >= s.signal_wall - 0.05]
-                # the next worker may log its claim a moment before the old one its handover
-                claimed = [t for t in lines[(s.request_id, "claimed")] if t >= s.signal_wall - 0.05]
-                if not queued or not claimed:
-                    continue
-                s.claimed_wall = claimed[0]
-                resumed = s.resumed_at()
-                if resumed is None:
-                    continue
-                # unix times: the log lines'; the client's receipt: signal + monotonic offset
-                phases["queued"].append(queued[0] - s.signal_wall)
-                phases["claimed"].append(max(0.0, claimed[0] - queued[0]))
-                phases["event"].append(s.signal_wall + resumed - s.signal_at - claimed[0])
-            results.append(Result(setting, streams, rows, phases, setting.rounds, took))
+            results.append(
+                Result(setting, streams, rows, phases(st, streams), setting.rounds, took)
+            )
+        for what in ("worker", "redis") if args.stalls else ():
+            print(f"running: {args.stalls} stalls of {what} ...", file=sys.stderr, flush=True)
+            stalls.append(stall_figures(bench, server, what, db))
     finally:
         st.stop()
-    return results
+    return results, stalls
+
+
+def phases(st: Stack, streams: list[Stream]) -> dict[str, list[float]]:
+    """Victims, from the log lines: signal -> queued again (detection) or handed over;
+    -> claimed ("continuing it"); -> the next content event at the client."""
+    lines = log_times(st.logs)
+    found: dict[str, list[float]] = {"queued": [], "claimed": [], "event": []}
+    for s in (s for s in streams if s.victim):
+        queued = [t for t in lines[(s.request_id, "queued")] if t >= s.signal_wall - 0.05]
+        # the next worker may log its claim a moment before the old one its handover
+        claimed = [t for t in lines[(s.request_id, "claimed")] if t >= s.signal_wall - 0.05]
+        if not queued or not claimed:
+            continue
+        s.claimed_wall = claimed[0]
+        resumed = s.resumed_at()
+        if resumed is None:
+            continue
+        # unix times: the log lines'; the client's receipt: signal + monotonic offset
+        found["queued"].append(queued[0] - s.signal_wall)
+        found["claimed"].append(max(0.0, claimed[0] - queued[0]))
+        found["event"].append(s.signal_wall + resumed - s.signal_at - claimed[0])
+    return found
+
+
+STALL_S = 3.0
+
+
+def stall_figures(bench: Bench, server: OwnRedis, what: str, db: str) -> dict[str, str]:
+    """``--stalls`` stalls of 3 s of a live worker (the two in turn) or of Redis, 1 s
+    apart, under ``--streams`` clients streaming throughout: were live workers taken for
+    lost, and is every text whole?"""
+    args = bench.args
+    before = len(lost_lines(bench.st))
+    streams: list[Stream] = []
+    done = asyncio.Event()
+
+    async def client(i: int) -> None:
+        async with httpx.AsyncClient(base_url=bench.st.url, timeout=SAFETY_S) as http:
+            k = 0
+            while not done.is_set():
+                s = Stream(question(f"{what}-stall-{i}-{k}", args.model_dir, args.tokens * 3))
+                streams.append(s)
+                await run_stream(http, s)
+                k += 1
+
+    def freeze(n: int, sig: signal.Signals) -> None:
+        if what == "redis":
+            server.pause() if sig == signal.SIGSTOP else server.resume()
+            return
+        names = sorted(bench.workers)
+        os.kill(bench.workers[names[n % len(names)]].pid, sig)
+
+    async def stalls() -> None:
+        clients = [asyncio.create_task(client(i)) for i in range(args.streams)]
+        await asyncio.sleep(2.0)
+        for n in range(args.stalls):
+            freeze(n, signal.SIGSTOP)
+            await asyncio.sleep(STALL_S)
+            freeze(n, signal.SIGCONT)
+            await asyncio.sleep(1.0)
+        done.set()
+        await asyncio.wait_for(asyncio.gather(*clients), SAFETY_S)
+
+    started = time.monotonic()
+    asyncio.run(stalls())
+    rows = billing_rows(db, [s.request_id for s in streams if s.request_id])
+    taken = sum(1 for row in rows.values() if row["takeovers"])
+    judged = len(lost_lines(bench.st)) - before
+    lost = dup = 0
+    for s in streams:
+        a, b = char_diff(s.question, s.text)
+        lost, dup = lost + a, dup + b
+    failed = sum(1 for s in streams if s.error or not s.done)
+    whom = "a live worker (SIGSTOP, the two in turn)" if what == "worker" else "Redis (SIGSTOP)"
+    return {
+        "stalls": f"{args.stalls} x {STALL_S:g} s of {whom}, 1 s apart",
+        "streams (running throughout)": f"{len(streams)} ({args.streams} at a time)",
+        "**false takeovers**: billing rows with one / API log lines": f"**{taken} / {judged}**",
+        "text = question: lost / duplicated chars": (
+            f"{lost} / {dup} ({sum(1 for s in streams if s.text == s.question)} of "
+            f"{len(streams)} exact)"
+        ),
+        "failed streams / billing rows": f"{failed} / {len(rows)} of {len(streams)}",
+        "took": f"{time.monotonic() - started:.0f} s",
+    }
+
+
+def lost_lines(st: Stack) -> list[str]:
+    """The API processes' log lines that took a worker for lost."""
+    return [
+        line
+        for path in st.logs.glob("api-*.log")
+        for line in path.read_text(errors="replace").splitlines()
+        if "its connection is gone" in line or "its heartbeat is stale" in line
+    ]
 
 
 def pct(data: list[float], q: float) -> float:
@@ -415,7 +508,7 @@ def figures(r: Result, args: argparse.Namespace) -> dict[str, str]:
     for s in r.streams:
         a, b = char_diff(s.question, s.text)
         lost, dup = lost + a, dup + b
-    moves = {"kill": "takeovers", "term": "handovers"}[sc.mode]
+    moves = {"kill": "takeovers", "stop": "takeovers", "term": "handovers"}[sc.mode]
     vrows = [r.rows[s.request_id] for s in victims if s.request_id in r.rows]
     per_move = [
         row["reprefill_tokens"] / (row["takeovers"] + row["handovers"])
@@ -424,10 +517,15 @@ def figures(r: Result, args: argparse.Namespace) -> dict[str, str]:
     ]
     others = [r.rows[s.request_id] for s in r.streams if not s.victim and s.request_id in r.rows]
     spurious = sum(1 for row in others if row["takeovers"] + row["handovers"])
+    d = Settings()
     if sc.mode == "kill":
+        grace, poll = d.worker_connection_grace_s, d.worker_connection_poll_s
+        bound = f"{grace:g} - {grace + 2 * poll:g} s (grace {grace:g} s + up to 2 polls)"
+    elif sc.mode == "stop":
+        stale, sweep = d.worker_stale_s, d.sweep_interval_s
         bound = (
-            f"{sc.stale_s - HEARTBEAT_S:g} - {sc.stale_s + args.sweep:g} s "
-            f"(stale_s - heartbeat {HEARTBEAT_S:g} s .. stale_s + sweep {args.sweep:g} s)"
+            f"{stale - HEARTBEAT_S:g} - {stale + sweep:g} s "
+            f"(stale_s - heartbeat {HEARTBEAT_S:g} s .. stale_s + sweep {sweep:g} s)"
         )
     else:
         bound = (
@@ -448,7 +546,7 @@ def figures(r: Result, args: argparse.Namespace) -> dict[str, str]:
         "rounds (streams paused)": f"{r.rounds} ({len(victims)})",
         "**pause p50 / p99 / max**": f"**{s3(pauses)}**",
         "detection window (expected)": bound,
-        "kill -> queued again (sweeper) / SIGTERM -> handed over, p50 / max": ms2(
+        "signal -> queued again (sweeper) / handed over (SIGTERM), p50 / max": ms2(
             r.phases["queued"]
         ),
         "-> claimed by the next worker (queue read, claim, log read), p50 / max": ms2(
@@ -469,7 +567,7 @@ def figures(r: Result, args: argparse.Namespace) -> dict[str, str]:
         "re-prefilled tokens per takeover, median (prompt tokens)": (
             f"{pct(per_move, 0.5):.0f} ({pct([row['prompt_tokens'] for row in vrows], 0.5):.0f})"
         ),
-        "billing: paused streams with 1 takeover (kill) / handover (SIGTERM)": (
+        "billing: paused streams with 1 takeover (kill, stop) / handover (SIGTERM)": (
             f"{sum(1 for row in vrows if row[moves] == 1 == row['takeovers'] + row['handovers'])}"
             f" of {len(victims)}"
         ),
@@ -509,9 +607,9 @@ def raw_json(results: list[Result]) -> str:
     return msgspec.json.encode(out).decode() + "\n"
 
 
-def table(results: list[dict[str, str]]) -> str:
+def table(results: list[dict[str, str]], head: str = "setting") -> str:
     keys = list(results[0])
-    lines = ["| " + " | ".join(["", *(r["setting"] for r in results)]) + " |"]
+    lines = ["| " + " | ".join(["", *(r[head] for r in results)]) + " |"]
     lines.append("|" + "---|" * (len(results) + 1))
     for k in keys[1:]:
         lines.append("| " + " | ".join([k, *(r[k] for r in results)]) + " |")
@@ -542,12 +640,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--kills", type=int, default=10, help="kill -9 rounds per stale value")
-    parser.add_argument("--stale", default="5,1", help="worker_stale_s values, comma-separated (s)")
-    parser.add_argument("--handovers", type=int, default=5, help="SIGTERM rounds (0: none)")
-    parser.add_argument("--sweep", type=float, default=2.0, help="sweep_interval_s (s)")
+    parser.add_argument("--kills", type=int, default=12, help="kill -9 rounds")
+    parser.add_argument("--stops", type=int, default=12, help="SIGSTOP rounds (past the bound)")
+    parser.add_argument("--handovers", type=int, default=12, help="SIGTERM rounds")
+    parser.add_argument("--stalls", type=int, default=50, help="3 s stalls of each kind")
     parser.add_argument("--drain", type=float, default=0.2, help="worker_drain_s (SIGTERM)")
-    parser.add_argument("--streams", type=int, default=4, help="streams per round")
+    parser.add_argument("--streams", type=int, default=8, help="streams per round")
     parser.add_argument("--tokens", type=int, default=100, help="answer length (about)")
     parser.add_argument("--rate", type=float, default=40.0, help="tokens/s per stream")
     parser.add_argument("--model-dir", type=Path, default=REPO / ".cache/models" / MODEL)
@@ -557,36 +655,39 @@ def main() -> None:
 
     args.model_dir = prepare_model(args.model_dir)
     args.out.mkdir(parents=True, exist_ok=True)
-    stales = [float(x) for x in args.stale.split(",") if x]
     started, load = time.monotonic(), os.getloadavg()[0]
+    settings = [
+        Setting("kill -9 (its connection closes)", "kill", args.kills),
+        Setting("SIGSTOP past worker_stale_s (its heartbeat)", "stop", args.stops),
+        Setting(f"SIGTERM, worker_drain_s {args.drain:g} s", "term", args.handovers),
+    ]
     with contextlib.ExitStack() as stack:
-        redis_url = os.environ.get("LASTEVENT_REDIS_URL") or stack.enter_context(local_redis())
+        server = OwnRedis(
+            Path(tempfile.mkdtemp(prefix="bench-takeover-redis-")), appendfsync="always"
+        )
+        server.start()
+        stack.callback(server.stop)
         db = stack.enter_context(migrated_database(stack.enter_context(local_postgres())))
-        results: list[Result] = []
-        for i, stale in enumerate(stales):
-            settings = [Setting(f"kill -9, worker_stale_s {stale:g} s", "kill", stale, args.kills)]
-            if i == 0 and args.handovers:
-                settings.append(
-                    Setting(
-                        f"SIGTERM, worker_drain_s {args.drain:g} s", "term", stale, args.handovers
-                    )
-                )
-            results += run_stack(stale, [s for s in settings if s.rounds], args, redis_url, db)
-    rows = [figures(r, args) for r in results]
+        results, stalls = run_stack([s for s in settings if s.rounds], args, server, db)
+    d = Settings()
     command = " ".join(["python -m bench.takeover", *sys.argv[1:]])
     heading = (
         f"Takeover pause: 1 API process, 2 workers (a fresh pair each round), scripted "
         f"engine at {args.rate:g} tok/s per stream, {args.streams} streams per round, "
-        f"~{args.tokens} tokens each; sweep every {args.sweep:g} s, heartbeat every "
-        f"{HEARTBEAT_S:g} s; {os.cpu_count()} CPUs, load average {load:.1f} at the start, "
-        f"{os.getloadavg()[0]:.1f} at the end. Command: `{command}`"
+        f"~{args.tokens} tokens each; default settings (connection grace "
+        f"{d.worker_connection_grace_s:g} s, poll {d.worker_connection_poll_s:g} s; heartbeat "
+        f"every {HEARTBEAT_S:g} s, stale after {d.worker_stale_s:g} s, sweep every "
+        f"{d.sweep_interval_s:g} s); {os.cpu_count()} CPUs, load average {load:.1f} at the "
+        f"start, {os.getloadavg()[0]:.1f} at the end. Command: `{command}`"
     )
-    md = heading + "\n\n" + table(rows)
+    md = heading + "\n\n" + table([figures(r, args) for r in results])
+    if stalls:
+        md += "\n\nStalls of 3 s under streams, nobody killed:\n\n" + table(stalls, "stalls")
     (args.out / "takeover.md").write_text(md + "\n")
     (args.out / "takeover.json").write_text(raw_json(results))
     print("\n" + md + "\n")
     print(
-        f"wrote {args.out / 'takeover.md'}, takeover.json; logs in {args.out / 'logs'}/takeover-*; "
+        f"wrote {args.out / 'takeover.md'}, takeover.json; logs in {args.out / 'logs'}/takeover; "
         f"took {time.monotonic() - started:.0f} s"
     )
 

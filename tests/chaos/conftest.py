@@ -574,6 +574,18 @@ def server_errors(stack: Stack) -> list[str]:
     return out
 
 
+def false_takeovers(stack: Stack) -> list[str]:
+    """Every worker the API processes took for lost (its connection gone, its heartbeat
+    stale): none may be, where no worker was killed or frozen -- an outage of the store
+    is not a worker's death."""
+    out = []
+    for path in sorted(stack.logs.glob("api-*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            if "its connection is gone" in line or "its heartbeat is stale" in line:
+                out.append(f"{path.stem}: a live worker taken for lost: {line}")
+    return out
+
+
 def logs_of(stack: Stack, n: int = 4000) -> str:
     """The tails of every process's log (for failure messages)."""
     return "\n".join(

@@ -30,6 +30,7 @@ from tests.chaos.conftest import (
     Verdict,
     crash_and_restart,
     drive,
+    false_takeovers,
     freeze,
     keys_without_ttl,
     kill_and_restart,
@@ -182,7 +183,8 @@ class Run:
         return [f"a key that never expires: {key}" for key in stray]
 
     def check(self, findings: list[str], *, leaks: bool = True) -> None:
-        findings = findings + server_errors(self.stack) + (self.leaks() if leaks else [])
+        findings = findings + server_errors(self.stack) + false_takeovers(self.stack)
+        findings += self.leaks() if leaks else []
         assert not findings, "\n".join(findings) + "\n\n" + logs_of(self.stack)
 
 
