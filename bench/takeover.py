@@ -104,14 +104,20 @@ class Stream:
         return [b[0] - a[0] for a, b in itertools.pairwise(self.events)]
 
     def pause_index(self) -> int | None:
-        """The gap (its index in gaps()) between the last event the lost worker wrote and
-        the first the next one wrote: the first appended after the next worker's claim
-        (the old one's are all older than its requeue, the new one's younger than the
-        claim). Without the claim's log line: the largest gap after the signal."""
+        """The gap (its index in gaps()) the client waited longest in between the signal
+        and the first event the next worker wrote: the first appended after the next
+        worker's claim (the old one's are all older than its requeue, the new one's
+        younger than the claim). The old worker's last event can reach the client late,
+        with the next worker's first, so the pause is the longest gap up to that event.
+        Without the claim's log line: the largest gap after the signal."""
         if self.claimed_wall is not None:
             claimed_ms = int(self.claimed_wall * 1000)
             first = next((i for i, e in enumerate(self.events) if e[1] >= claimed_ms), None)
-            return None if not first else first - 1
+            if not first:
+                return None
+            after = next(i for i, e in enumerate(self.events) if e[0] >= self.signal_at)
+            gaps = self.gaps()
+            return max(range(max(0, after - 1), first), key=lambda i: gaps[i])
         return self.largest_after_signal()
 
     def largest_after_signal(self) -> int | None:
@@ -346,7 +352,9 @@ def run_stack(
         db,
         args.model_dir,
         scripted_tokens_per_s=args.rate,
-        durability="disk",  # the default (the bench's Redis: appendfsync always)
+        durability=args.durability,
+        **({"worker_stale_s": args.stale} if args.stale else {}),
+        **({"worker_connection_grace_s": args.grace} if args.grace is not None else {}),
         worker_drain_s=args.drain,
         worker_concurrency=32,
         recorder_claim_idle_ms=1000,  # a killed worker's outbox entries are recorded soon
@@ -644,6 +652,11 @@ def main() -> None:
     parser.add_argument("--stops", type=int, default=12, help="SIGSTOP rounds (past the bound)")
     parser.add_argument("--handovers", type=int, default=12, help="SIGTERM rounds")
     parser.add_argument("--stalls", type=int, default=50, help="3 s stalls of each kind")
+    parser.add_argument(
+        "--durability", default="disk", help="LASTEVENT_DURABILITY (its Redis: always)"
+    )
+    parser.add_argument("--stale", type=float, default=0, help="worker_stale_s (0: default)")
+    parser.add_argument("--grace", type=float, default=None, help="worker_connection_grace_s")
     parser.add_argument("--drain", type=float, default=0.2, help="worker_drain_s (SIGTERM)")
     parser.add_argument("--streams", type=int, default=8, help="streams per round")
     parser.add_argument("--tokens", type=int, default=100, help="answer length (about)")

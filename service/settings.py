@@ -69,7 +69,7 @@ class Settings:
     worker_heartbeat_s: float = 1.0  # how often a worker says it is alive (< worker_stale_s)
     # a worker whose named connection has been gone this long is lost at once (its process
     # died: the kernel closed its socket); negative: the heartbeat alone (store/liveness.py)
-    worker_connection_grace_s: float = 0.25
+    worker_connection_grace_s: float = 0.2
     worker_connection_poll_s: float = 0.1  # how often each API process looks (one call)
 
     # event log

@@ -52,7 +52,7 @@ class Sweeper:
         takeover_wait_s: float = 0.0,
         request_deadline_s: float = 600.0,
         connections: Observer | None = None,
-        connection_grace_s: float = 0.25,
+        connection_grace_s: float = 0.2,
         connection_poll_s: float = 0.1,
     ) -> None:
         self.log = log_
