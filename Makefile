@@ -85,7 +85,7 @@ bench-durability: $(STAMP)  ## memory vs disk vs replica: TTFT, added latency pe
 bench-cluster: $(STAMP)  ## lastevent on one Redis node vs a local Redis Cluster: latency, Redis CPU per 1,000 tokens (~3 min)
 	$(BIN)/python -m bench.cluster $(BENCH_ARGS)
 
-bench-takeover: $(STAMP)  ## the pause a stream sees when its worker is killed (-9) or stopped mid-answer (~3 min)
+bench-takeover: $(STAMP)  ## the pause after kill -9 / SIGSTOP / SIGTERM of a worker mid-answer, and false takeovers under 3 s stalls (~15 min)
 	$(BIN)/python -m bench.takeover $(BENCH_ARGS)
 
 bench-park: $(STAMP)  ## clients that hang up (AIPerf's cancellation) and come back: parked vs the grace alone (~3 min)
