@@ -85,11 +85,8 @@ class Runner:
     async def run(self) -> None:
         await self.queue.ensure_group()
         self.batcher.start()
-        watchers = [
-            *self.watch.tasks(),
-            asyncio.create_task(self._heartbeat(), name="heartbeat"),
-            asyncio.create_task(self.announcer.run(), name="named-connection"),
-        ]
+        watchers = [*self.watch.tasks(), asyncio.create_task(self._heartbeat(), name="heartbeat")]
+        named = asyncio.create_task(self.announcer.run(), name="named-connection")
         try:
             await self._claim_loop()
             await self._drain()
@@ -99,6 +96,10 @@ class Runner:
             await asyncio.wait(watchers, timeout=5)  # (bounded: a stopping worker exits)
             with contextlib.suppress(RedisError):
                 await self.heartbeats.remove(self.settings.worker_id)
+            # the named connection goes last: a worker without a heartbeat is not watched,
+            # so a clean stop is not taken for a death
+            named.cancel()
+            await asyncio.wait([named], timeout=5)
             await self.batcher.close()
 
     async def _claim_loop(self) -> None:

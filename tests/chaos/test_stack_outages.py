@@ -397,3 +397,42 @@ def test_redis_restarted_without_its_data_leaves_no_stray_keys(
         if c.rid and c.cohort == "early" and rows.get(c.rid) and run.found[c.rid].state is None
     ]
     assert not findings, "\n".join(findings)
+
+
+def cut_named_connections(server: ChaosRedis) -> Fault:
+    """Every worker's named connection cut at once (a proxy or load balancer reset)."""
+
+    def cut() -> None:
+        client = server.client()
+        named = [c for c in client.client_list() if c["name"].startswith("lastevent-worker-")]
+        assert named, "no named connection to cut: the test tests nothing"
+        for c in named:
+            client.client_kill_filter(_id=c["id"])
+
+    return Fault("CLIENT KILL of the workers' named connections", cut, lambda: None, 0.0)
+
+
+def test_the_workers_connections_cut_at_once(
+    tmp_path: Path, database_url: str, model_dir: Path
+) -> None:
+    """The workers' named connections killed under running streams, the processes alive:
+    each comes back within the grace and announces itself again, so no worker is taken
+    for lost (``Run.check``) and every answer finishes whole, without a takeover."""
+    with scenario(
+        tmp_path,
+        database_url,
+        model_dir,
+        cut_named_connections,
+        appendfsync="everysec",
+        apis=2,
+        workers=2,
+        early=12,
+    ) as run:
+        findings = client_findings(run.outcome)
+        for c in run.outcome.accepted:
+            findings += request_findings(c, run.found[c.rid or ""], lost_ok=False)
+        findings += billing_findings(run.stack, database_url, run.rids, run.since)
+        for name in ("worker-1", "worker-2"):
+            if "named connection is back" not in run.stack.tail(name, 10**7):
+                findings.append(f"{name}: its named connection did not come back")
+        run.check(findings)
