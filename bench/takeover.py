@@ -145,10 +145,14 @@ async def run_stream(client: httpx.AsyncClient, s: Stream) -> None:
                 s.error = f"HTTP {r.status_code}"
                 return
             s.request_id = r.headers.get("x-request-id", "")
-            emit_ms = 0
+            # an event's lines: "data: ...", then "id: <unix ms>-<seq>" (the log entry's
+            # id), then a blank line; its pieces are timed when its data line arrives
+            pieces: list[tuple[float, str]] = []
             async for line in r.aiter_lines():
-                if line.startswith("id: "):  # "<unix ms>-<seq>": the log entry's id
+                if line.startswith("id: "):
                     emit_ms = int(line[4:].split("-", 1)[0])
+                    s.events += [(at, emit_ms, piece) for at, piece in pieces]
+                    pieces = []
                     continue
                 if not line.startswith("data: "):
                     continue
@@ -160,7 +164,7 @@ async def run_stream(client: httpx.AsyncClient, s: Stream) -> None:
                 for choice in chunk.get("choices") or ():
                     piece = (choice.get("delta") or {}).get("content")
                     if piece:
-                        s.events.append((time.monotonic(), emit_ms, piece))
+                        pieces.append((time.monotonic(), piece))
                 if "error" in chunk:
                     s.error = str(chunk["error"])
     except httpx.HTTPError as exc:
