@@ -321,6 +321,15 @@ def test_redis_killed_mid_stream_aof_always(
     _killed(tmp_path, database_url, model_dir, kill_and_restart, "always", lost_ok=False)
 
 
+def whole(run: Run, database_url: str) -> list[str]:
+    """What a scenario that loses nothing may not show: client or request findings (every
+    request whole), billing findings."""
+    findings = client_findings(run.outcome)
+    for c in run.outcome.accepted:
+        findings += request_findings(c, run.found[c.rid or ""], lost_ok=False)
+    return findings + billing_findings(run.stack, database_url, run.rids, run.since)
+
+
 def test_redis_frozen_for_3_s(tmp_path: Path, database_url: str, model_dir: Path) -> None:
     """SIGSTOP for 3 s, then SIGCONT: connections hang rather than fail; all finish."""
     with scenario(
@@ -334,11 +343,7 @@ def test_redis_frozen_for_3_s(tmp_path: Path, database_url: str, model_dir: Path
         early=14,
         worker_concurrency=16,
     ) as run:
-        findings = client_findings(run.outcome)
-        for c in run.outcome.accepted:
-            findings += request_findings(c, run.found[c.rid or ""], lost_ok=False)
-        findings += billing_findings(run.stack, database_url, run.rids, run.since)
-        run.check(findings)
+        run.check(whole(run, database_url))
         assert len(run.rids) == 18
 
 
@@ -428,10 +433,7 @@ def test_the_workers_connections_cut_at_once(
         workers=2,
         early=12,
     ) as run:
-        findings = client_findings(run.outcome)
-        for c in run.outcome.accepted:
-            findings += request_findings(c, run.found[c.rid or ""], lost_ok=False)
-        findings += billing_findings(run.stack, database_url, run.rids, run.since)
+        findings = whole(run, database_url)
         for name in ("worker-1", "worker-2"):
             if "named connection is back" not in run.stack.tail(name, 10**7):
                 findings.append(f"{name}: its named connection did not come back")

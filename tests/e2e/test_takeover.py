@@ -10,6 +10,7 @@ client sees is a figure of ``bench/takeover.py``, not an assertion here.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
 import signal
@@ -53,15 +54,17 @@ def takeover_db(pg_admin_url: str) -> Iterator[str]:
         yield url
 
 
-@pytest.fixture
-def stack(tmp_path: Path, redis_url: str, takeover_db: str, model_dir: Path) -> Iterator[Stack]:
+@contextlib.contextmanager
+def takeover_stack(
+    tmp_path: Path, redis_url: str, db: str, model_dir: Path, stale_s: float
+) -> Iterator[Stack]:
     st = make_stack(
         tmp_path,
         redis_url,
-        takeover_db,
+        db,
         model_dir,
         scripted_tokens_per_s=40.0,
-        worker_stale_s=2.0,  # beats come every 1 s: a busy live worker is never taken for lost
+        worker_stale_s=stale_s,
         worker_concurrency=32,
         recorder_claim_idle_ms=1000,  # a killed worker's recorder entries are taken soon
     )
@@ -72,6 +75,22 @@ def stack(tmp_path: Path, redis_url: str, takeover_db: str, model_dir: Path) -> 
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGCONT)
         st.stop()
+
+
+@pytest.fixture
+def stack(tmp_path: Path, redis_url: str, takeover_db: str, model_dir: Path) -> Iterator[Stack]:
+    # beats come every 1 s: a busy live worker is never taken for lost
+    with takeover_stack(tmp_path, redis_url, takeover_db, model_dir, 2.0) as st:
+        yield st
+
+
+@pytest.fixture
+def no_heartbeat(
+    tmp_path: Path, redis_url: str, takeover_db: str, model_dir: Path
+) -> Iterator[Stack]:
+    """A stack whose heartbeats go stale after 10 min: only a connection can tell."""
+    with takeover_stack(tmp_path, redis_url, takeover_db, model_dir, 600.0) as st:
+        yield st
 
 
 @dataclasses.dataclass
@@ -203,23 +222,6 @@ def questions(n: int, body: str = LONG) -> list[str]:
     return [f"Question {i}. {body}" for i in range(n)]
 
 
-def test_a_killed_workers_streams_continue_on_the_other(stack: Stack) -> None:
-    st, since = stack, now()
-    procs = {"a": st.start_worker("a"), "b": st.start_worker("b")}
-    st.start_api()
-    clients = start_streams(st, [Stream(q) for q in questions(6)])
-    clients.wait_started()
-    owners = {s.request_id: owner_of(st, s.request_id) for s in clients.streams}
-    victim = proc_named(st, procs, owners[clients.streams[0].request_id])
-    procs[victim].send_signal(signal.SIGKILL)
-    procs[victim].wait()
-    clients.join()
-    for s in clients.streams:
-        lost = owners[s.request_id].startswith(f"{victim}-")
-        assert_whole(st, s, s.question, takeovers=int(lost))
-    reconcile_clean(st, since)
-
-
 def named_connections(st: Stack) -> list[tuple[redis.Redis, dict[str, Any]]]:
     """Every client connection of the stack's Redis (each cluster node's) with its node's
     client."""
@@ -241,41 +243,28 @@ def kill_connection(st: Stack, worker_id: str) -> None:
     assert node.client_kill_filter(_id=conn["id"]) == 1
 
 
-def test_a_killed_worker_is_seen_gone_by_its_connection(
-    tmp_path: Path, redis_url: str, takeover_db: str, model_dir: Path
-) -> None:
+def test_a_killed_workers_streams_continue_on_the_other(no_heartbeat: Stack) -> None:
     """kill -9: the kernel closes its connections, and the API processes take its requests
     over then -- long before its heartbeat (here: 10 min) could go stale."""
-    st = make_stack(
-        tmp_path,
-        redis_url,
-        takeover_db,
-        model_dir,
-        scripted_tokens_per_s=40.0,
-        worker_stale_s=600.0,
-        worker_concurrency=32,
-        recorder_claim_idle_ms=1000,
-    )
-    try:
-        procs = {"a": st.start_worker("a"), "b": st.start_worker("b")}
-        st.start_api()
-        st.start_api()  # two sweepers: one moves each job
-        wait_until(lambda: len(named_connections_of(st)) == 2, "both workers' named connections")
-        clients = start_streams(st, [Stream(q) for q in questions(6)])
-        clients.wait_started()
-        owners = {s.request_id: owner_of(st, s.request_id) for s in clients.streams}
-        victim = proc_named(st, procs, owners[clients.streams[0].request_id])
-        procs[victim].send_signal(signal.SIGKILL)
-        procs[victim].wait()
-        clients.join()
-        for s in clients.streams:
-            lost = owners[s.request_id].startswith(f"{victim}-")
-            assert_whole(st, s, s.question, takeovers=int(lost))
-        logs = api_logs(st)
-        assert f"worker {victim}-" in logs and "its connection is gone" in logs
-        assert "its heartbeat is stale" not in logs
-    finally:
-        st.stop()
+    st, since = no_heartbeat, now()
+    procs = {"a": st.start_worker("a"), "b": st.start_worker("b")}
+    st.start_api()
+    st.start_api()  # two sweepers: one moves each job
+    wait_until(lambda: len(named_connections_of(st)) == 2, "both workers' named connections")
+    clients = start_streams(st, [Stream(q) for q in questions(6)])
+    clients.wait_started()
+    owners = {s.request_id: owner_of(st, s.request_id) for s in clients.streams}
+    victim = proc_named(st, procs, owners[clients.streams[0].request_id])
+    procs[victim].send_signal(signal.SIGKILL)
+    procs[victim].wait()
+    clients.join()
+    for s in clients.streams:
+        lost = owners[s.request_id].startswith(f"{victim}-")
+        assert_whole(st, s, s.question, takeovers=int(lost))
+    logs = api_logs(st)
+    assert f"worker {victim}-" in logs and "its connection is gone" in logs
+    assert "its heartbeat is stale" not in logs
+    reconcile_clean(st, since)
 
 
 def api_logs(st: Stack) -> str:
@@ -289,65 +278,56 @@ def named_connections_of(st: Stack) -> list[str]:
     return [c["name"] for _, c in named_connections(st) if c["name"] in ours]
 
 
-def test_a_live_worker_whose_connection_was_killed_is_fenced(
-    tmp_path: Path, redis_url: str, takeover_db: str, model_dir: Path
+def woken_after_takeover(
+    st: Stack, clients: Clients, proc: subprocess.Popen[bytes], owner: str, taken: list[str]
 ) -> None:
+    """``proc`` (``owner``, frozen) was taken for lost: another worker continues each of
+    its requests ``taken``, and the log grows under it; then it wakes with appends in hand,
+    every answer is whole, and it notices it was fenced out."""
+    for rid in taken:
+        wait_until(lambda rid=rid: owner_of(st, rid) not in ("", owner), "a takeover")
+    first = taken[0]
+    grown = len(logged_text(st, first))
+    wait_until(lambda: len(logged_text(st, first)) > grown, "the log to grow")
+    os.kill(proc.pid, signal.SIGCONT)
+    clients.join()
+    for s in clients.streams:
+        assert_whole(st, s, s.question, takeovers=int(s.request_id in taken))
+    name = owner.rsplit("-", 1)[0]
+    wait_until(
+        lambda: "taken over by another worker" in st.tail(name, 10**7),
+        "the woken worker to notice it was fenced out",
+    )
+
+
+def test_a_live_worker_whose_connection_was_killed_is_fenced(no_heartbeat: Stack) -> None:
     """Its process lives (frozen, then woken) but its named connection was killed (a
     proxy reset, ``CLIENT KILL``): taken for gone, its requests go on elsewhere, and when it
     wakes its appends are fenced out -- nothing doubled -- and it announces itself again."""
-    st, since = (
-        make_stack(
-            tmp_path,
-            redis_url,
-            takeover_db,
-            model_dir,
-            scripted_tokens_per_s=40.0,
-            worker_stale_s=600.0,
-            worker_concurrency=32,
-            recorder_claim_idle_ms=1000,
-        ),
-        now(),
+    st, since = no_heartbeat, now()
+    procs = {"a": st.start_worker("a"), "b": st.start_worker("b")}
+    st.start_api()
+    wait_until(lambda: len(named_connections_of(st)) == 2, "both workers' named connections")
+    clients = start_streams(st, [Stream(q) for q in questions(3)])
+    clients.wait_started()
+    first = clients.streams[0]
+    owner = owner_of(st, first.request_id)
+    name = proc_named(st, procs, owner)
+    taken = [s.request_id for s in clients.streams if owner_of(st, s.request_id) == owner]
+    os.kill(procs[name].pid, signal.SIGSTOP)  # (it cannot make its connection again)
+    kill_connection(st, owner)
+    woken_after_takeover(st, clients, procs[name], owner, taken)
+    wait_until(
+        lambda: f"lastevent-worker-{owner}" in named_connections_of(st),
+        "the woken worker's named connection again",
     )
-    try:
-        procs = {"a": st.start_worker("a"), "b": st.start_worker("b")}
-        st.start_api()
-        wait_until(lambda: len(named_connections_of(st)) == 2, "both workers' named connections")
-        clients = start_streams(st, [Stream(q) for q in questions(3)])
-        clients.wait_started()
-        first = clients.streams[0]
-        owner = owner_of(st, first.request_id)
-        name = proc_named(st, procs, owner)
-        taken = [s.request_id for s in clients.streams if owner_of(st, s.request_id) == owner]
-        os.kill(procs[name].pid, signal.SIGSTOP)  # (it cannot make its connection again)
-        kill_connection(st, owner)
-        for rid in taken:
-            wait_until(lambda rid=rid: owner_of(st, rid) not in ("", owner), "a takeover")
-        grown = len(logged_text(st, first.request_id))
-        wait_until(lambda: len(logged_text(st, first.request_id)) > grown, "the log to grow")
-        os.kill(procs[name].pid, signal.SIGCONT)  # it wakes with appends in hand
-        clients.join()
-        for s in clients.streams:
-            assert_whole(st, s, s.question, takeovers=int(s.request_id in taken))
-        wait_until(
-            lambda: "taken over by another worker" in st.tail(name, 10**7),
-            "the woken worker to notice it was fenced out",
-        )
-        wait_until(
-            lambda: f"lastevent-worker-{owner}" in named_connections_of(st),
-            "the woken worker's named connection again",
-        )
-        assert "its connection is gone" in api_logs(st)
-        # it serves again
-        again = start_streams(st, [Stream(q) for q in questions(4, "again " * 20)])
-        again.join()
-        for s in again.streams:
-            assert_whole(st, s, s.question, takeovers=0)
-        reconcile_clean(st, since)
-    finally:
-        for p in st.procs:
-            if p.poll() is None:
-                os.kill(p.pid, signal.SIGCONT)
-        st.stop()
+    assert "its connection is gone" in api_logs(st)
+    # it serves again
+    again = start_streams(st, [Stream(q) for q in questions(4, "again " * 20)])
+    again.join()
+    for s in again.streams:
+        assert_whole(st, s, s.question, takeovers=0)
+    reconcile_clean(st, since)
 
 
 def test_a_cut_inside_a_stop_string_prefix_still_stops(stack: Stack) -> None:
@@ -408,23 +388,7 @@ def test_a_frozen_worker_woken_after_the_takeover_writes_nothing(stack: Stack) -
     frozen_ids = [
         s.request_id for s in clients.streams if owner_of(st, s.request_id) == frozen_owner
     ]
-    # another worker continues each of its requests, and the log grows under it
-    for rid in frozen_ids:
-        wait_until(
-            lambda rid=rid: owner_of(st, rid) not in ("", frozen_owner),
-            "a takeover",
-            timeout=SAFETY_S,
-        )
-    grown = len(logged_text(st, first.request_id))
-    wait_until(lambda: len(logged_text(st, first.request_id)) > grown, "the log to grow")
-    os.kill(procs[frozen].pid, signal.SIGCONT)  # it wakes with appends in hand
-    clients.join()
-    for s in clients.streams:
-        assert_whole(st, s, s.question, takeovers=int(s.request_id in frozen_ids))
-    wait_until(
-        lambda: "taken over by another worker" in st.tail(frozen, 10**7),
-        "the woken worker to notice it was fenced out",
-    )
+    woken_after_takeover(st, clients, procs[frozen], frozen_owner, frozen_ids)
     # frozen, it kept its connection: the heartbeat found it
     logs = api_logs(st)
     assert "its heartbeat is stale" in logs and "its connection is gone" not in logs
