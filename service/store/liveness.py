@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -143,7 +144,8 @@ class Announcer:
         try:
             await conn.connect()  # type: ignore[no-untyped-call]
             await conn.send_command("SSUBSCRIBE", channel)
-            reply = await conn.read_response()
+            # (redis-py hands a subscription's replies only to a read that asks for them)
+            reply = await conn.read_response(timeout=math.inf, push_request=True)
             if not isinstance(reply, list) or replies.text(reply[0]).lower() != "ssubscribe":
                 raise RedisConnectionError(f"SSUBSCRIBE answered {reply!r}")
             self.connections += 1
@@ -155,7 +157,7 @@ class Announcer:
             except Exception as exc:  # noqa: BLE001 - the next heartbeat says it
                 survived("a heartbeat after connecting", exc)
             while True:  # nothing is published: a reply is the slot moving, or an error
-                message = await conn.read_response()
+                message = await conn.read_response(timeout=math.inf, push_request=True)
                 if isinstance(message, list) and message:
                     kind = replies.text(message[0]).lower()
                     if kind == "sunsubscribe":  # the slot moved: follow it to its node
