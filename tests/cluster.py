@@ -117,10 +117,10 @@ class Node:
             "--appendfsync",
             self.appendfsync,
         ]
-        log = open(self.dir / "server.log", "ab")  # noqa: SIM115 - closed with the process
-        self.proc = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        with open(self.dir / "server.log", "ab") as log:  # (the child keeps its own copy)
+            self.proc = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def client(self) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2)

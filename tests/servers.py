@@ -95,10 +95,10 @@ class OwnRedis:
         if self.crashable:
             env["LD_PRELOAD"] = str(fsync_log_library(self.dir.parent))
             env["FSYNC_LOG"] = str(self.fsync_log)
-        log = open(self.dir / "redis.log", "ab")  # noqa: SIM115 - closed with the process
-        self.proc = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
-        )
+        with open(self.dir / "redis.log", "ab") as log:  # (the child keeps its own copy)
+            self.proc = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+            )
         client = redis.Redis.from_url(self.url, socket_timeout=1)
         try:
             wait_until(lambda: self._answers(client), what="the test's Redis", timeout=30)

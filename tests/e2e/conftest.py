@@ -46,13 +46,13 @@ class Stack:
     def _spawn(self, role: str, name: str, **overrides: object) -> subprocess.Popen[bytes]:
         env = {**os.environ, **self.settings.to_env()}
         env.update({f"LASTEVENT_{k.upper()}": str(v) for k, v in overrides.items()})
-        out = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", role],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+        with open(self.logs / f"{name}.log", "wb") as out:  # (the child keeps its own copy)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "service.cli", role],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         self.procs.append(proc)
         return proc
 
