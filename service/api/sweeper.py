@@ -98,15 +98,19 @@ class Sweeper:
         # killed but which lives (frozen) may still be handed jobs by a blocked read it
         # sent before; those are taken over too, until its heartbeat is stale
         gone: dict[str, float] = {}
+        failures = 0  # in a row: logged once, and polled less often meanwhile
         while True:
-            await asyncio.sleep(self.connection_poll_s)
+            await asyncio.sleep(min(5.0, self.connection_poll_s * 2**failures))
             try:
                 known, connected = await self.connections.poll(asked)
             except Exception as exc:  # noqa: BLE001 - the view is broken: start again
                 self.judge.reset()
                 asked = []
-                survived("watching the workers' connections", exc)
+                failures += 1
+                if failures == 1:
+                    survived("watching the workers' connections", exc)
                 continue
+            failures = 0
             now = time.monotonic()
             for worker in self.judge.observe(now, asked, connected):
                 WORKER_CONNECTIONS_LOST.inc()

@@ -127,12 +127,15 @@ class Announcer:
     async def run(self) -> None:
         backoff = 0.02
         while True:
+            held = self.connections
             try:
                 await self._hold()
-                backoff = 0.02  # it had been subscribed: try again at once
             except Exception as exc:  # noqa: BLE001 - the connection is made again
-                survived("the worker's named connection", exc)
+                if self.connections > held or backoff == 0.02:  # (once per streak)
+                    survived("the worker's named connection", exc)
                 await relearn(self.redis, self.keys)
+            if self.connections > held:
+                backoff = 0.02  # it had been subscribed: try again at once
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 1.0)
 
