@@ -19,6 +19,10 @@ WORKER_CONNECTIONS_LOST = Counter(
     "lastevent_worker_connections_lost_total",
     "Workers whose named connection this API process saw gone (their jobs taken over)",
 )
+WORKERS_CONNECTED = Gauge(
+    "lastevent_workers_connected",
+    "Workers whose named connection this API process's last poll saw (it can tell their death)",
+)
 REQUEUED = Counter(
     "lastevent_requeued_total",
     "Jobs queued again by the sweeper (reason: lost = a started request's worker was lost)",

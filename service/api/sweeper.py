@@ -26,7 +26,7 @@ import asyncio
 import logging
 import time
 
-from service.api.metrics import REQUEUED, WORKER_CONNECTIONS_LOST
+from service.api.metrics import REQUEUED, WORKER_CONNECTIONS_LOST, WORKERS_CONNECTED
 from service.store.liveness import Judge, Observer
 from service.store.log import LogError, RedisLog
 from service.store.pool import survived
@@ -105,12 +105,14 @@ class Sweeper:
                 known, connected = await self.connections.poll(asked)
             except Exception as exc:  # noqa: BLE001 - the view is broken: start again
                 self.judge.reset()
+                WORKERS_CONNECTED.set(0)
                 asked = []
                 failures += 1
                 if failures == 1:
                     survived("watching the workers' connections", exc)
                 continue
             failures = 0
+            WORKERS_CONNECTED.set(len(connected))
             now = time.monotonic()
             for worker in self.judge.observe(now, asked, connected):
                 WORKER_CONNECTIONS_LOST.inc()

@@ -250,7 +250,7 @@ def test_a_killed_workers_streams_continue_on_the_other(no_heartbeat: Stack) -> 
     procs = {"a": st.start_worker("a"), "b": st.start_worker("b")}
     st.start_api()
     st.start_api()  # two sweepers: one moves each job
-    wait_until(lambda: len(named_connections_of(st)) == 2, "both workers' named connections")
+    seen_connected(st, 2)
     clients = start_streams(st, [Stream(q) for q in questions(6)])
     clients.wait_started()
     owners = {s.request_id: owner_of(st, s.request_id) for s in clients.streams}
@@ -269,6 +269,17 @@ def test_a_killed_workers_streams_continue_on_the_other(no_heartbeat: Stack) -> 
 
 def api_logs(st: Stack) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted(st.logs.glob("api-*.log")))
+
+
+def seen_connected(st: Stack, n: int) -> None:
+    """Wait until every API process's watch has seen ``n`` workers' named connections (a
+    worker it never saw is left to its heartbeat: one that dies before is not judged)."""
+
+    def seen() -> bool:
+        wanted = f"lastevent_workers_connected {float(n)}"
+        return all(wanted in httpx.get(f"{url}/metrics").text for url in st.api_urls)
+
+    wait_until(seen, f"every API process to see {n} workers' connections")
 
 
 def named_connections_of(st: Stack) -> list[str]:
@@ -307,7 +318,7 @@ def test_a_live_worker_whose_connection_was_killed_is_fenced(no_heartbeat: Stack
     st, since = no_heartbeat, now()
     procs = {"a": st.start_worker("a"), "b": st.start_worker("b")}
     st.start_api()
-    wait_until(lambda: len(named_connections_of(st)) == 2, "both workers' named connections")
+    seen_connected(st, 2)
     clients = start_streams(st, [Stream(q) for q in questions(3)])
     clients.wait_started()
     first = clients.streams[0]
