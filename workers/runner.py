@@ -31,7 +31,7 @@ from service.store.liveness import Announcer
 from service.store.log import RedisLog, Retention
 from service.store.pool import survived
 from service.store.queue import Heartbeat, Heartbeats, Job, RequestQueue
-from service.stream.lifecycle import Requeue, State
+from service.stream.lifecycle import State
 from service.tokenize import ModelInfo
 from workers.engines.base import Engine
 from workers.generate import Generation
@@ -75,7 +75,8 @@ class Runner:
             self.watch.forget,
         )
         self._tasks: set[asyncio.Task[None]] = set()
-        self._aborts: set[asyncio.Task[None]] = set()
+        # engine aborts and jobs given back: the drain waits for them
+        self._background: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
         self._serving: dict[tuple[int, bytes], asyncio.Task[None]] = {}  # entry -> its task
 
@@ -152,17 +153,14 @@ class Runner:
 
     def _give_back(self, partition: int, jobs: list[tuple[bytes, Job]]) -> None:
         async def give_back() -> None:
-            for entry_id, job in jobs:
-                try:
-                    done = await self.queue.requeue(job.request_id, entry_id, Requeue.LOST)
-                    if done.entry_id is None:  # ended meanwhile (a cancel): nothing to run
-                        await self.queue.ack(partition, entry_id)
-                except Exception as exc:  # noqa: BLE001 - left pending: the sweeper's
-                    survived("giving a job back", exc)
+            try:
+                await self.queue.give_back(partition, jobs)
+            except Exception as exc:  # noqa: BLE001 - left pending: the sweeper's
+                survived("giving jobs back", exc)
 
         task = asyncio.create_task(give_back())
-        self._aborts.add(task)
-        task.add_done_callback(self._aborts.discard)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _served_entry(self, entry: tuple[int, bytes], _task: asyncio.Task[None]) -> None:
         self._serving.pop(entry, None)
@@ -179,8 +177,8 @@ class Runner:
 
     def _abort(self, rid: str) -> None:
         task = asyncio.create_task(self.generation.abort(rid))
-        self._aborts.add(task)
-        task.add_done_callback(self._aborts.discard)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _heartbeat(self) -> None:
         """Tell the API processes this worker is alive, its slots, and how long requests take
@@ -218,5 +216,5 @@ class Runner:
                     ABORTS.labels(reason="handover").inc()
                     self._abort(task.get_name())
                 await asyncio.gather(*left, return_exceptions=True)
-        if self._aborts:
-            await asyncio.wait(self._aborts, timeout=5)
+        if self._background:
+            await asyncio.wait(self._background, timeout=5)

@@ -94,6 +94,10 @@ class Keys:
     def queue_of(self, request_id: str) -> str:
         return self.queue(self.partition(request_id))
 
+    def queues(self, partition: int) -> tuple[str, str]:
+        """A partition's takeover queue and its queue, in the order workers read them."""
+        return self.takeovers(partition), self.queue(partition)
+
     def takeovers(self, partition: int) -> str:
         """A partition's takeover queue (a stream; the same group): continuations and jobs
         queued again, which workers read before the partition's queue."""

@@ -111,7 +111,7 @@ class RequestQueue:
 
     def streams(self, partition: int) -> tuple[str, str]:
         """A partition's takeover queue and its queue, in the order workers read them."""
-        return self.keys.takeovers(partition), self.keys.queue(partition)
+        return self.keys.queues(partition)
 
     def _located(self, partition: int, entry_id: bytes) -> tuple[str, bytes]:
         """The stream an entry is in, and its id there."""
@@ -267,6 +267,15 @@ class RequestQueue:
             return Requeued(None, replies.integer(raw[1]))
         return Requeued(replies.text(raw[1]).encode(), None)
 
+    async def give_back(self, partition: int, jobs: list[tuple[bytes, Job]]) -> None:
+        """Fresh jobs a read handed this consumer beyond its free slots: queued again in
+        the takeover queue (ahead of fresh work, for any worker); one that ended meanwhile
+        (a cancel) is acknowledged instead."""
+        for entry_id, job in jobs:
+            done = await self.requeue(job.request_id, entry_id, Requeue.LOST)
+            if done.entry_id is None:
+                await self.ack(partition, entry_id)
+
     async def orphans_due(self, now_ms: int, count: int = 100) -> list[str]:
         """Started requests queued again whose wait for a worker is over (all partitions)."""
         return await self._due(self.keys.orphans, now_ms, count)
@@ -319,8 +328,8 @@ class Heartbeats:
         pipe = self.redis.pipeline(transaction=False)
         pipe.hgetall(self.keys.workers)
         for p in self.keys.all_partitions:
-            pipe.xlen(self.keys.queue(p))
-            pipe.xlen(self.keys.takeovers(p))
+            for stream in self.keys.queues(p):
+                pipe.xlen(stream)
         beats, *depths = await pipe.execute()
         now_ms = time.time() * 1000
         fresh = [b for b in map(Heartbeat.decode, beats.values()) if b.fresh(now_ms, stale_s)]

@@ -9,9 +9,11 @@ import pytest
 from redis.asyncio import Redis
 
 from service.api.sweeper import Sweeper
+from service.store.control import Control
 from service.store.keys import QUEUE_GROUP, TAKEOVER_ENTRY, Keys
 from service.store.log import Fenced, Recovery, RedisLog
 from service.store.queue import Heartbeat, Heartbeats, Job, RequestQueue, encode_job
+from service.stream import endings
 from service.stream import events as ev
 from service.stream.lifecycle import Requeue, State
 from service.stream.params import SamplingParams
@@ -237,3 +239,25 @@ async def test_a_continuation_a_frozen_worker_was_handed_moves_without_a_takeove
     assert await log.claim(rid, "frozen", handed) is None  # it wakes: refused
     owner = await log.claim(rid, "next", entry)
     assert owner is not None and owner.epoch == epoch + 1
+
+
+async def test_fresh_jobs_a_read_handed_beyond_the_slots_go_back_to_the_front(
+    redis: Redis, key_prefix: str
+):
+    """A worker gives back the fresh jobs of a read beyond its free slots: each is queued
+    again in the takeover queue (ahead of the fresh ones behind it, for any worker); one
+    cancelled meanwhile is only acknowledged."""
+    keys = Keys(key_prefix)
+    log, queue = RedisLog(redis, keys), RequestQueue(redis, keys)
+    await queue.ensure_group()
+    rids = [await submitted(log, queue) for _ in range(4)]
+    handed = await queue.read(0, "busy", count=2, block_ms=100)
+    assert [j.request_id for _, j in handed] == rids[:2]
+    cancelled = endings.cancelled_queued(endings.Request(rids[1], None, 1, 0))
+    assert (await Control(redis, keys).cancel(rids[1], cancelled)).outcome == State.CANCELLED
+    await queue.give_back(0, handed)
+    assert (await redis.xpending(keys.queue(0), QUEUE_GROUP))["pending"] == 0
+    got = await queue.read(0, "idle", count=1, block_ms=100)
+    # the given-back job first (from the takeover queue), then the oldest fresh one
+    assert [j.request_id for _, j in got] == [rids[0], rids[2]]
+    assert got[0][0].startswith(TAKEOVER_ENTRY)

@@ -10,8 +10,9 @@
 -- outlive the window (ms: a continuation's deadline and the finished log's TTL), ARGV[7]
 -- how long a continuation waits for a worker (ms)
 -- Returns {'PARKED', window end ms}; {'CONTINUED', entry}: a reader came back meanwhile, so
--- it is queued again at once (ownerless, in the takeover queue, as a takeover); {'FENCED'}: not the owner's to
--- park (another worker took it over, or it ended). Either way the owner is fenced out now.
+-- it is queued again at once (ownerless, in the takeover queue, as a takeover);
+-- {'FENCED'}: not the owner's to park (another worker took it over, or it ended). Either
+-- way the owner is fenced out now.
 local m = redis.call('HMGET', KEYS[1], M.epoch, M.state, M.grace_ms, M.gone_ms)
 if m[1] ~= ARGV[1] or not T.park[m[2]] then return {'FENCED'} end
 local job = job_of(KEYS[3], ARGV[2])
