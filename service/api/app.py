@@ -27,6 +27,7 @@ from service.api.context import Context, Drain
 from service.api.metrics import REJECTED, watch_loop_lag
 from service.api.routes.admin import AdminController
 from service.api.routes.completions import CompletionsController
+from service.api.routes.console import ConsoleController
 from service.api.routes.playground import PlaygroundController
 from service.api.routes.requests import RequestsController
 from service.api.routes.responses import ResponsesController
@@ -301,6 +302,7 @@ def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
             VllmCompatController,
             AdminController,
             PlaygroundController,
+            ConsoleController,
         ],
         dependencies={
             "ctx": Provide(provide_ctx, sync_to_thread=False),
