@@ -133,6 +133,9 @@ class Settings:
     recorder_claim_idle_ms: int = 30_000  # take over another recorder's entries after this
     outbox_retention_s: int = 7 * 86400  # outbox entries (what reconcile checks) kept this long
     archive_retention_days: int = 90  # `lastevent archive purge` default
+    # keep every request's input (messages, tools, parameters) in its log and archive for
+    # audit, whatever ``store`` says (a tenant can be set so too: `lastevent tenants`)
+    keep_inputs: bool = False
     recorder_crash_after_insert: bool = False  # fault injection (tests): exit before the ack
 
     # scripted engine (tests and benchmarks)

@@ -16,7 +16,7 @@ from collections.abc import Collection, Sequence
 
 from service.stream import endings
 from service.stream.assemble import Assembler, StepResult
-from service.stream.endings import ChoiceEnd, Failure, HandOver, Shown, Stopped
+from service.stream.endings import ChoiceEnd, Failure, HandOver, Recovery, Shown, Stopped
 from service.stream.events import Delta, Event
 from service.stream.lifecycle import VERDICT_STATE, EngineFinish, State, Verdict
 from workers.engines.base import StepOutput
@@ -143,3 +143,19 @@ class ChoiceRun:
     def _aborted(self, decided: State) -> ChoiceEnd:
         covered = self.asm.completion_tokens if self._covered is None else self._covered
         return endings.aborted(self._shown(), decided, covered)
+
+
+def how_claimed(first_run: bool, logged: Sequence[Delta], recovery: Recovery) -> str:
+    """How a worker came to run a request (one of ``events.CLAIMS``): the recovery counts
+    past what the logged deltas' marks already account for."""
+    if first_run and not logged:
+        return "first"
+    marks = [d.how for d in logged if d.by is not None]
+    for how, count in (
+        ("takeover", recovery.takeovers),
+        ("handover", recovery.handovers),
+        ("resumed", recovery.parks),
+    ):
+        if count > marks.count(how):
+            return how
+    return "continued"

@@ -29,7 +29,7 @@ from service.store.queue import Job
 from service.stream import endings
 from service.stream.assemble import Assembler, ResumeMismatch
 from service.stream.endings import Failure, Stopped
-from service.stream.events import Delta
+from service.stream.events import Delta, Event
 from service.stream.logprobs import TokenText
 from service.stream.params import SamplingParams
 from service.stream.tools import parser_for
@@ -74,6 +74,8 @@ class Generation:
         self.deadline_s = deadline_s
         self._token_text = TokenText(model.tokenizer)
         self._choices: dict[str, int] = {}  # running request -> its choices
+        # running request -> (worker, how it came to run it): put on its first delta
+        self._marks: dict[str, tuple[str, str]] = {}
 
     async def abort(self, request_id: str) -> None:
         """Abort every choice of a request in the engine."""
@@ -88,14 +90,17 @@ class Generation:
         first_token: FirstToken,
         *,
         logged: Sequence[Delta] = (),
+        mark: tuple[str, str] | None = None,
     ) -> list[Stopped]:
         """Generate every choice of ``job`` until each is over, and say how (in choice
         order). ``signals``: the request's cancel / abandon / handover, set by the runner
         (which aborts the engine as it sets one); ``logged``: the deltas of a request
-        another worker started."""
+        another worker started; ``mark``: (worker, how) for the first delta appended."""
         rid = job.request_id
         n = max(job.n, 1)
         self._choices[rid] = n
+        if mark is not None:
+            self._marks[rid] = mark
         try:
             return list(
                 await asyncio.gather(
@@ -109,6 +114,7 @@ class Generation:
             )
         finally:
             self._choices.pop(rid, None)
+            self._marks.pop(rid, None)
 
     def _start(
         self, job: Job, index: int, params: SamplingParams, logged: Sequence[Delta]
@@ -201,8 +207,22 @@ class Generation:
     ) -> bool:
         """Do what ``action`` says; whether the choice is over."""
         if action.append:
+            events = self._marked(job.request_id, action.append)
             with steps.appending():
-                await self.batcher.append(owner, action.append, give_up_at=job.deadline_unix_s)
+                await self.batcher.append(owner, events, give_up_at=job.deadline_unix_s)
         if action.abort:
             await self.engine.abort(eid)
         return action.stop is not None
+
+    def _marked(self, rid: str, events: Sequence[Event]) -> Sequence[Event]:
+        """``events``, the first delta of the run marked with its worker and claim."""
+        mark = self._marks.get(rid)
+        if mark is None:
+            return events
+        for i, event in enumerate(events):
+            if isinstance(event, Delta):
+                del self._marks[rid]
+                by, how = mark
+                marked = msgspec.structs.replace(event, by=by, how=how)
+                return [*events[:i], marked, *events[i + 1 :]]
+        return events

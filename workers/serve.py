@@ -33,7 +33,7 @@ from service.stream import endings
 from service.stream.endings import Failure, FencedOut, HandOver, Park, Recovery
 from service.stream.events import Delta
 from service.stream.lifecycle import Requeue
-from workers.decide import Signals
+from workers.decide import Signals, how_claimed
 from workers.generate import Generation
 from workers.metrics import (
     ABORTS,
@@ -158,7 +158,10 @@ class Serve:
         first_token = FirstToken(dispatched_ms / 1000 if first_run else None)
         self.running[rid] = signals = Signals(handing_over=self.handing_over)
         try:
-            stopped = await self.generation.run(job, owner, signals, first_token, logged=logged)
+            mark = (self.settings.worker_id, how_claimed(first_run, logged, recovery))
+            stopped = await self.generation.run(
+                job, owner, signals, first_token, logged=logged, mark=mark
+            )
         finally:
             del self.running[rid]
             self._forget(rid)

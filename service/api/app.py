@@ -31,11 +31,13 @@ from service.api.routes.console import ConsoleController
 from service.api.routes.playground import PlaygroundController
 from service.api.routes.requests import RequestsController
 from service.api.routes.responses import ResponsesController
+from service.api.routes.stored import StoredCompletionsController
 from service.api.routes.system import SystemController
 from service.api.routes.vllm_compat import VllmCompatController
 from service.api.sweeper import Sweeper
 from service.errors import ApiError, ServiceUnavailable, Unauthorized
 from service.ledger.api_keys import ApiKeys
+from service.ledger.audit import Audit
 from service.ledger.ledger import Ledger, PostgresUnavailable, make_engine
 from service.settings import Settings
 from service.store import commit
@@ -263,6 +265,7 @@ def _context(
         admission=Admission(Limits(redis, keys), Heartbeats(redis, keys), settings),
         drain=drain,
         idempotency=IdempotencyKeys(redis, keys, settings.idempotency_ttl_s),
+        audit=Audit(ledger.engine) if ledger else None,
     )
 
 
@@ -298,6 +301,7 @@ def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
             CompletionsController,
             RequestsController,
             ResponsesController,
+            StoredCompletionsController,
             SystemController,
             VllmCompatController,
             AdminController,

@@ -38,6 +38,7 @@ class Principal:
     key_id: str | None
     role: str = "user"
     models: tuple[str, ...] | None = None  # None: every model
+    keep_inputs: bool = False  # the tenant keeps every request's input for audit
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -119,7 +120,13 @@ class Authenticator:
         if not hmac.compare_digest(row.secret_hash, hash_secret(secret)):
             return None
         models = tuple(row.models.split(",")) if row.models else None
-        return Principal(tenant=row.tenant, key_id=row.id, role=row.role, models=models)
+        return Principal(
+            tenant=row.tenant,
+            key_id=row.id,
+            role=row.role,
+            models=models,
+            keep_inputs=bool(row.keep_inputs),
+        )
 
     async def _row(self, key_id: str) -> ApiKeyRow | None:
         now = time.monotonic()

@@ -10,6 +10,7 @@ from redis.asyncio import Redis
 from service.api.admission import Admission
 from service.api.auth import Authenticator
 from service.api.tokens import StreamTokens
+from service.ledger.audit import Audit
 from service.ledger.ledger import Ledger
 from service.settings import Settings
 from service.store.control import Control
@@ -56,6 +57,7 @@ class Context:
     admission: Admission
     drain: Drain
     idempotency: IdempotencyKeys
+    audit: Audit | None = None  # the ledger's lookups (None: no Postgres configured)
     _tokens: StreamTokens | None = None
 
     @property

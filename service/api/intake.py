@@ -171,6 +171,9 @@ class Submission:
     user: str | None = None
     response: bytes | None = None  # /v1/responses: the parameters its objects echo
     store: bool = True  # False: not archived, a short hot TTL
+    input: bytes | None = None  # the request body as JSON, when it is kept (``kept_input``)
+    metadata: dict[str, str] | None = None
+    listed: bool = False  # a stored chat completion (``store: true``)
 
 
 def check_model(ctx: Context, name: str | None, principal: Principal) -> None:
@@ -200,7 +203,27 @@ def chat(ctx: Context, body: ChatCompletionRequest, principal: Principal) -> Sub
     _checked(ctx, body, principal)
     if not body.messages:
         raise InvalidRequest("'messages' must not be empty", param="messages")
-    return _chat(ctx, body, Kind.CHAT, body.max_completion_tokens or body.max_tokens)
+    sub = _chat(ctx, body, Kind.CHAT, body.max_completion_tokens or body.max_tokens)
+    return kept_input(ctx, body, principal, sub)
+
+
+def kept_input(
+    ctx: Context,
+    body: ChatCompletionRequest | CompletionRequest,
+    principal: Principal,
+    sub: Submission,
+) -> Submission:
+    """What is kept of the request beside its answer: its ``metadata`` always; the body
+    itself (messages or prompt, tools, parameters) when the client sent ``store: true`` or
+    an operator keeps every input (the server's ``keep_inputs``, or the tenant's). Only a
+    chat completion sent with ``store: true`` is listed (OpenAI's stored completions)."""
+    keep = body.store is True or ctx.settings.keep_inputs or principal.keep_inputs
+    return dataclasses.replace(
+        sub,
+        input=msgspec.json.encode(body) if keep else None,
+        metadata=body.metadata,
+        listed=body.store is True and sub.kind == Kind.CHAT,
+    )
 
 
 def completion(ctx: Context, body: CompletionRequest, principal: Principal) -> Submission:
@@ -226,7 +249,9 @@ def completion(ctx: Context, body: CompletionRequest, principal: Principal) -> S
         prompt_ids = [int(t) for t in prompt]
     if not prompt_ids:
         raise InvalidRequest("the prompt is empty", param="prompt")
-    return _submission(ctx, body, Kind.TEXT, prompt_ids, body.max_tokens, completion_output(body))
+    output = completion_output(body)
+    sub = _submission(ctx, body, Kind.TEXT, prompt_ids, body.max_tokens, output)
+    return kept_input(ctx, body, principal, sub)
 
 
 async def response(ctx: Context, body: ResponsesRequest, principal: Principal) -> Submission:
@@ -255,6 +280,7 @@ async def response(ctx: Context, body: ResponsesRequest, principal: Principal) -
         response=stored(body, items),
         detached=body.background,
         store=body.store is not False,
+        metadata=body.metadata,
     )
 
 

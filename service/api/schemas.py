@@ -22,6 +22,14 @@ from service.stream.params import MAX_LOGPROBS, RequestSampling
 
 MAX_CHOICES = 8  # n: choices of one request
 
+# OpenAI's ``metadata``: at most 16 pairs, keys of at most 64 characters, string values
+# of at most 512 (a 400 naming ``metadata`` otherwise)
+MAX_METADATA_PAIRS = 16
+Metadata = Annotated[
+    dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=512)]],
+    Meta(max_length=MAX_METADATA_PAIRS),
+]
+
 
 class _Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     """A request object: a field it does not declare is a 400 naming it."""
@@ -110,10 +118,11 @@ class _Sampling(RequestSampling, kw_only=True, forbid_unknown_fields=True):
     stop: str | list[str] | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None
     user: Annotated[str, Meta(max_length=256)] | None = None
-    # OpenAI's: every answer is kept in the log whatever ``store`` says (resume and replay
-    # are made of it); ``metadata`` is not kept anywhere, so it is refused
+    # OpenAI's stored completions: ``store: true`` keeps the request's input with its
+    # answer and lists it (``GET /v1/chat/completions``); every answer is kept in the log
+    # and archived whatever ``store`` says (resume and replay are made of it)
     store: bool | None = None
-    metadata: Refused = None
+    metadata: Metadata | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -184,9 +193,15 @@ class ResponsesRequest(_Strict, kw_only=True):
     stream: bool = False
     background: bool = False
     store: bool | None = None
-    metadata: dict[str, Annotated[str, Meta(max_length=512)]] | None = None
+    metadata: Metadata | None = None
     previous_response_id: str | None = None
     user: Annotated[str, Meta(max_length=256)] | None = None
+
+
+class MetadataUpdate(_Strict, kw_only=True):
+    """``POST /v1/chat/completions/{id}``: a stored completion's new metadata (replaces it)."""
+
+    metadata: Metadata | None
 
 
 def refused_field(body: msgspec.Struct) -> str | None:

@@ -120,6 +120,9 @@ async def submit(
         continuous_usage=sub.continuous_usage,
         response=sub.response,
         store=sub.store,
+        input=sub.input,
+        metadata=sub.metadata,
+        listed=sub.listed,
     )
     settings = ctx.settings
     safety_ttl_s = int(settings.hot_log_ttl_s + 2 * settings.request_deadline_s)

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from service.cli import billing
+from service.api import billing
 from service.ledger.api_keys import ApiKeys
 from service.ledger.ledger import Ledger, make_engine
 from service.settings import Settings

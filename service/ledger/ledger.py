@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from sqlalchemy import delete, func, select, text
+from sqlalchemy import delete, func, select, text, update
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.engine import make_url
@@ -144,6 +144,8 @@ def row_values(s: Summary, end_id: str) -> dict[str, Any]:
         "worker_id": s.worker_id,
         "last_event_id": end_id,
         "recorded_ms": int(time.time() * 1000),
+        "metadata_": s.metadata,
+        "stored": s.listed,
     }
 
 
@@ -226,12 +228,19 @@ class Ledger:
             return list(result.scalars())
 
     async def purge_archives(self, *, older_than: dt.datetime | None, tenant: str | None) -> int:
+        """Delete archived logs (answers and the inputs kept in them) ended before
+        ``older_than``, of one tenant or all; stored completions among them are no longer
+        listed (their billing rows stay). How many archives went."""
         stmt = delete(ArchiveRow)
+        unlist = update(RequestRow).where(RequestRow.stored).values(stored=False)
         if older_than is not None:
             stmt = stmt.where(ArchiveRow.ended_at < older_than)
+            unlist = unlist.where(RequestRow.ended_at < older_than)
         if tenant is not None:
             stmt = stmt.where(ArchiveRow.tenant == tenant)
+            unlist = unlist.where(RequestRow.tenant == tenant)
         async with self.engine.begin() as conn:
+            await conn.execute(unlist)
             return int((await conn.execute(stmt)).rowcount)
 
     async def usage_by_tenant(self, since: dt.datetime, until: dt.datetime) -> list[Any]:

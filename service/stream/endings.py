@@ -5,9 +5,9 @@ errored). Whoever ends it -- the worker that ran it or failed while running it, 
 sweeper, the API cancelling a queued request -- brings the facts and gets an ``Ending``:
 the events the terminal append writes (the choices' last deltas, an in-band ``Error``
 when it failed, the ``End`` last) and the billing ``Summary`` that goes to the outbox in
-the same step, made from that ``End`` so that the two cannot disagree. The store has one
-terminal write that takes it (``RedisLog.end``). No other module builds an ``End`` or a
-``Summary`` (``tests/unit/test_layout.py``).
+the same step, made from that ``End`` so that the two cannot disagree (and from the
+``Created``: tenant, metadata, ...). The store's one terminal write takes it
+(``RedisLog.end``); no other module builds an ``End`` or a ``Summary`` (the layout test).
 
 How one choice stopped (``workers/decide.py`` asks as each choice of a run stops):
 
@@ -17,13 +17,11 @@ How one choice stopped (``workers/decide.py`` asks as each choice of a run stops
     a cancel / an abandon was decided      cancelled "cancelled" / abandoned "abandoned"
     engine error, deadline, lost log, ...  errored   (an in-band error, no finish_reason)
 
-and then the request's ending (``ran``): one choice's is the request's; n > 1 choices
-merge (usage summed; the first real error wins over the aborts it caused its siblings).
-Three outcomes of a run end nothing: a request its stopping worker hands over
-(``HandOver``: another worker continues it), one another worker took (``FencedOut``),
-and one whose readers are gone (``Park``: it waits, out of the engine, for one to come
-back; ``window_over`` ends it when its resume window is over, ``cancelled_parked`` when
-it is cancelled meanwhile).
+then the request's ending (``ran``): one choice's, or n > 1 choices merged (usage summed;
+the first real error wins over the aborts it caused its siblings). Three outcomes of a
+run end nothing: a request its stopping worker hands over (``HandOver``), one another
+worker took (``FencedOut``), one whose readers are gone (``Park``: it waits out of the
+engine for one to come back; ``window_over`` / ``cancelled_parked`` end it later).
 """
 
 from __future__ import annotations
@@ -396,5 +394,7 @@ def _ending(
         reprefill_tokens=end.reprefill_tokens,
         user=created.user if created else None,
         store=created.store if created else True,
+        metadata=created.metadata if created else None,
+        listed=created.listed if created else False,
     )
     return Ending((*tail, *error, end), summary)

@@ -47,6 +47,13 @@ class Created(_Event, tag="c"):
     response: bytes | None = None
     # False (``store: false``): not archived, and the hot log lapses soon after the end
     store: bool = True
+    # what was asked (the request body as JSON: messages, tools, parameters), kept when the
+    # client sent ``store: true`` or an operator keeps every input; the request's
+    # ``metadata``; ``listed``: ``store: true`` on a chat completion (OpenAI's stored
+    # completions: its tenant's ``GET /v1/chat/completions`` lists it)
+    input: bytes | None = None
+    metadata: dict[str, str] | None = None
+    listed: bool = False
 
 
 class Delta(_Event, tag="d"):
@@ -65,6 +72,17 @@ class Delta(_Event, tag="d"):
     logprobs: list[Logprob] | None = None
     offset: int | None = None
     tools: list[ToolFragment] | None = None  # pieces of tool calls, after ``text``
+    # on the first delta a worker appends after it claimed the request: the worker, and
+    # how it came to run it (``CLAIMS``) -- where the console shows a worker died and
+    # another continued
+    by: str | None = None
+    how: str | None = None
+
+
+# how a worker came to run a request: its first run, after its worker was lost, handed
+# over by a stopping worker, after it was parked (no reader) and a reader came back, or
+# served again by the same worker (Redis failed under it)
+CLAIMS = ("first", "takeover", "handover", "resumed", "continued")
 
 
 class Error(_Event, tag="x"):
@@ -170,6 +188,8 @@ class Summary(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     reprefill_tokens: int = 0
     user: str | None = None
     store: bool = True  # False: the recorder writes the billing row, not the archive
+    metadata: dict[str, str] | None = None  # the request's ``metadata``
+    listed: bool = False  # ``store: true``: a stored chat completion
 
 
 _summary_decoder = msgspec.msgpack.Decoder(Summary)

@@ -1,13 +1,14 @@
-"""POST /v1/chat/completions and POST /v1/completions."""
+"""POST /v1/chat/completions and POST /v1/completions; GET /v1/chat/completions (the
+stored completions' list, beside the POST of its path: one route, one OPTIONS)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from litestar import Controller, Request, Response, post
+from litestar import Controller, Request, Response, get, post
 from litestar.response import Stream
 
-from service.api import answers, intake
+from service.api import answers, intake, stored
 from service.api.auth import Principal
 from service.api.context import Context
 from service.api.intake import JsonBodyRequest
@@ -36,6 +37,32 @@ class CompletionsController(Controller):
         sub = intake.chat(ctx, data, principal)
         acc = await accept(ctx, sub, principal, await intake.idempotency(request))
         return await answers.completion(ctx, request, acc, stream=data.stream, kind=sub.kind)
+
+    @get(
+        "/chat/completions",
+        summary="List stored chat completions",
+        responses=error_responses(400, 401, 503),
+    )
+    async def stored_completions(
+        self,
+        ctx: Context,
+        principal: Principal,
+        request: Request[Any, Any, Any],
+        model: str | None = None,
+        after: str | None = None,
+        limit: int | None = None,
+        order: Literal["asc", "desc"] = "asc",
+    ) -> dict[str, Any]:
+        """OpenAI's stored completions (``store: true``) of the caller's tenant."""
+        return await stored.listing(
+            ctx,
+            principal,
+            request,
+            model=model,
+            after=after,
+            limit=limit,
+            descending=order == "desc",
+        )
 
     @post(
         "/completions",

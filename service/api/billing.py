@@ -1,4 +1,4 @@
-"""Reconciliation and usage export.
+"""Reconciliation and usage export (`lastevent billing`, and the console's reconcile).
 
 The invariant `lastevent billing reconcile` checks, for requests whose terminal
 event falls in [since, until):
@@ -14,8 +14,10 @@ event is compared too.
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import datetime as dt
+import io
 from typing import Any
 
 from service.ledger.ledger import Ledger, row_values
@@ -118,3 +120,24 @@ async def export_usage(
     ledger: Ledger, since: dt.datetime, until: dt.datetime
 ) -> list[dict[str, Any]]:
     return [dict(r._mapping) for r in await ledger.usage_by_tenant(since, until)]
+
+
+SPEND_FIELDS = ("day", *EXPORT_FIELDS)
+_FORMULA = ("=", "+", "-", "@", "\t", "\r")  # a spreadsheet would run a cell starting so
+
+
+def csv_text(rows: list[dict[str, Any]], fields: tuple[str, ...] = SPEND_FIELDS) -> str:
+    """``rows`` as CSV with a header; a text cell a spreadsheet would read as a formula
+    is quoted with a leading ``'`` (tenant and model names are text, never formulas)."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(fields), lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow(
+            {
+                k: f"'{v}" if isinstance(v, str) and v.startswith(_FORMULA) else v
+                for k, v in row.items()
+                if k in fields
+            }
+        )
+    return out.getvalue()
