@@ -91,6 +91,9 @@ bench-takeover: $(STAMP)  ## the pause after kill -9 / SIGSTOP / SIGTERM of a wo
 bench-park: $(STAMP)  ## clients that hang up (AIPerf's cancellation) and come back: parked vs the grace alone (~3 min)
 	$(BIN)/python -m bench.park $(BENCH_ARGS)
 
+bench-ledger: $(STAMP)  ## the console's request list and stored completions at 1,000,000 ledger rows: p50 / p99 per filter, HTTP and SQL (~2 min)
+	$(BIN)/python -m bench.ledger_scale $(BENCH_ARGS)
+
 bench-vllm: $(VLLM_STAMP)  ## TTFT / ITL: vLLM's own OpenAI server vs lastevent + vLLM worker
 	$(VLLM_BIN)/python -m bench.vllm_compare $(BENCH_ARGS)
 
@@ -121,4 +124,4 @@ lint: $(STAMP)  ## the static gates CI runs first: ruff, ruff format, mypy stric
 clean:  ## remove the virtualenv and caches (not the data dir)
 	rm -rf $(VENV) $(VLLM_VENV) $(GUIDELLM_VENV) .pytest_cache .hypothesis .cache
 
-.PHONY: help install run test test-cluster test-chaos test-clients test-vllm bench bench-durability bench-cluster bench-takeover bench-park bench-vllm bench-guidellm test-fast lint clean
+.PHONY: help install run test test-cluster test-chaos test-clients test-vllm bench bench-durability bench-cluster bench-takeover bench-park bench-ledger bench-vllm bench-guidellm test-fast lint clean
