@@ -52,6 +52,7 @@ pytestmark = [pytest.mark.clients, pytest.mark.timeout(300)]
 CHROMIUM = Path(os.environ.get("LASTEVENT_CHROMIUM", "/usr/bin/chromium"))
 SAFETY_S = 120.0  # a hang guard only
 TOKENS_PER_S = 30.0  # LONG (~300 tokens) takes ~10 s: time to kill its worker mid-answer
+KILL_AFTER_EVENTS = 40  # ~1.3 s into the answer
 
 # what an attacker may send: markup that would run if the page parsed it, and lines that
 # look like the SSE stream's own framing
@@ -159,7 +160,7 @@ class Streaming:
                 self.request_id = r.headers["x-request-id"]
                 for event in EventSource(r).iter_sse():
                     self.events.append(event)
-                    if len(self.events) >= 3:
+                    if len(self.events) >= KILL_AFTER_EVENTS:
                         self.started.set()
         except BaseException as e:  # noqa: BLE001 -- handed to the test
             self.failure = e

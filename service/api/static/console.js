@@ -389,9 +389,11 @@ function renderInput(input, row) {
   for (const name of ["parameters", "metadata"]) {
     if (input[name] && typeof input[name] === "object") {
       shown.add(name);
-      box.append(el("h3", "", name === "parameters" ? "Parameters" : "Metadata"));
+      const given = Object.entries(input[name]).filter(([, value]) => value !== null && value !== undefined);
+      if (!given.length) continue;
+      box.append(el("h3", "", name === "parameters" ? "Parameters (those given)" : "Metadata"));
       const table = el("table", "kv");
-      kvTable(table, Object.entries(input[name]));
+      kvTable(table, given);
       box.append(table);
     }
   }
@@ -458,7 +460,7 @@ function renderTimeline(events) {
   const chart = svg("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": "timeline of the request's events" });
   if (ttft !== null) {
     chart.append(svg("rect", { class: "ttft", x: x(t0), y: laneY - 14, width: Math.max(1, x(firstDelta.t_ms) - x(t0)), height: 28 }));
-    chart.append(svg("text", { x: x(t0) + 4, y: laneY - 18 }, `TTFT ${fmtMs(ttft)}`));
+    chart.append(svg("text", { x: x(t0) + 2, y: laneY + 24 }, `TTFT ${fmtMs(ttft)}`));
   }
   chart.append(svg("line", { class: "axis", x1: left, y1: laneY, x2: W - right, y2: laneY }));
   chart.append(svg("text", { x: 0, y: laneY + 4 }, "events"));
