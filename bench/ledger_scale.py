@@ -181,6 +181,19 @@ async def copy_archives(url: str, template: str) -> float:
         await engine.dispose()
 
 
+async def server(url: str) -> str:
+    """Postgres's version and the settings that bound a cold read."""
+    engine = create_async_engine(url)
+    try:
+        async with engine.connect() as conn:
+            version = (await conn.execute(text("SHOW server_version"))).scalar_one()
+            buffers = (await conn.execute(text("SHOW shared_buffers"))).scalar_one()
+            work_mem = (await conn.execute(text("SHOW work_mem"))).scalar_one()
+    finally:
+        await engine.dispose()
+    return f"PostgreSQL {version.split()[0]}, shared_buffers {buffers}, work_mem {work_mem}"
+
+
 # ------------------------------------------------------------------------------ cases
 
 
@@ -616,22 +629,26 @@ def _route(case: Case) -> str:
 
 
 def table(figs: list[Figure]) -> str:
+    """One table per route; a p99 over the target in bold."""
     head = (
-        "| route | query | key | n | HTTP p50 / p99 / max (ms) | SQL p50 / p99 (ms)"
+        "| query | key | n | HTTP p50 / p99 / max (ms) | SQL p50 / p99 (ms)"
         " | rows shown / matching | plan (EXPLAIN ANALYZE ms) |"
     )
-    lines = [head, "|" + "---|" * 8]
-    for f in figs:
-        c, h, s = f.case, f.http_ms, f.sql_ms
-        http = f"{pct(h, 0.5):.1f} / {pct(h, 0.99):.1f} / {max(h):.1f}"
-        if pct(h, 0.99) > SLOW_MS:
-            http = f"**{http}**"
-        lines.append(
-            f"| {_route(c)} | {c.name} | {c.who} | {len(h)} | {http}"
-            f" | {pct(s, 0.5):.1f} / {pct(s, 0.99):.1f} | {f.shown} / {f.matching:,}"
-            f" | {f.plan} ({f.explain_ms:.1f}) |"
-        )
-    return "\n".join(lines)
+    out = []
+    for route in ("admin", "stored"):
+        out += [f"`{_route(Case('', {}, route=route))}`", "", head, "|" + "---|" * 7]
+        for f in (f for f in figs if f.case.route == route):
+            c, h, s = f.case, f.http_ms, f.sql_ms
+            http = f"{pct(h, 0.5):.1f} / {pct(h, 0.99):.1f} / {max(h):.1f}"
+            if pct(h, 0.99) > SLOW_MS:
+                http = f"**{http}**"
+            out.append(
+                f"| {c.name} | {c.who} | {len(h)} | {http}"
+                f" | {pct(s, 0.5):.1f} / {pct(s, 0.99):.1f} | {f.shown} / {f.matching:,}"
+                f" | {f.plan} ({f.explain_ms:.1f}) |"
+            )
+        out.append("")
+    return "\n".join(out)
 
 
 def main() -> None:
@@ -668,13 +685,15 @@ def main() -> None:
             took = asyncio.run(load(db, args.rows))
             took["archives"] = asyncio.run(copy_archives(db, template))
             picks = asyncio.run(pick(db))
+            postgres = asyncio.run(server(db))
             now = dt.datetime.now(dt.UTC)
             figs = measure(st, db, keys, cases(now, args.pages, picks), args.repeat)
         finally:
             st.stop()
     loaded = ", ".join(f"{k} {v:.0f} s" for k, v in took.items())
     heading = (
-        f"{args.rows:,} rows in `requests` ({loaded}); 1 API process, API keys required; "
+        f"{args.rows:,} rows in `requests` ({loaded}); {postgres}; "
+        "1 API process, API keys required; "
         f"{os.cpu_count()} CPUs, load average {load_avg:.1f} at the start, "
         f"{os.getloadavg()[0]:.1f} at the end. Command: "
         f"`python -m bench.ledger_scale {' '.join(sys.argv[1:])}`".rstrip()
