@@ -356,7 +356,7 @@ function renderWorkers(events) {
   const ul = clear($("r-workers"));
   events.forEach((event, index) => {
     if (!event.worker) return;
-    const verb = { first: "started", takeover: "took over", handover: "was handed over" }[event.how] ?? "appended";
+    const verb = { first: "started", takeover: "took over", handover: "was handed over", resumed: "resumed" }[event.how] ?? "appended";
     const li = el("li");
     if (event.how === "takeover" || event.how === "handover") li.append(el("span", "tag takeover", event.how));
     li.append(`worker ${event.worker} ${verb} at event ${event.id} (#${index + 1})`);
