@@ -177,11 +177,19 @@ async def request_page(ctx: Context, principal: Principal, rid: str) -> dict[str
     }
 
 
+def texts(**params: str | None) -> None:
+    """A 400 for a query parameter Postgres could not take as text (a NUL), not a 500."""
+    for name, value in params.items():
+        if value is not None and "\x00" in value:
+            raise InvalidRequest(f"{name} holds a NUL character", param=name)
+
+
 def metadata_filter(request: Request[Any, Any, Any]) -> dict[str, str] | None:
     """``metadata[key]=value`` query parameters (how OpenAI's SDKs send a dict)."""
     found: dict[str, str] = {}
     for name, value in request.query_params.items():
         if name.startswith("metadata[") and name.endswith("]"):
+            texts(metadata=name + value)
             found[name[len("metadata[") : -1]] = value
     return found or None
 

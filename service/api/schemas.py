@@ -23,10 +23,15 @@ from service.stream.params import MAX_LOGPROBS, RequestSampling
 MAX_CHOICES = 8  # n: choices of one request
 
 # OpenAI's ``metadata``: at most 16 pairs, keys of at most 64 characters, string values
-# of at most 512 (a 400 naming ``metadata`` otherwise)
+# of at most 512 (a 400 naming ``metadata`` otherwise); no NUL, which Postgres' text and
+# JSONB cannot hold (the billing row keeps the metadata and the ``user``)
 MAX_METADATA_PAIRS = 16
+_NO_NUL = "^[^\x00]*$"
 Metadata = Annotated[
-    dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=512)]],
+    dict[
+        Annotated[str, Meta(max_length=64, pattern=_NO_NUL)],
+        Annotated[str, Meta(max_length=512, pattern=_NO_NUL)],
+    ],
     Meta(max_length=MAX_METADATA_PAIRS),
 ]
 
@@ -117,7 +122,7 @@ class _Sampling(RequestSampling, kw_only=True, forbid_unknown_fields=True):
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     stop: str | list[str] | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None
-    user: Annotated[str, Meta(max_length=256)] | None = None
+    user: Annotated[str, Meta(max_length=256, pattern=_NO_NUL)] | None = None
     # OpenAI's stored completions: ``store: true`` keeps the request's input with its
     # answer and lists it (``GET /v1/chat/completions``); every answer is kept in the log
     # and archived whatever ``store`` says (resume and replay are made of it)
@@ -195,7 +200,7 @@ class ResponsesRequest(_Strict, kw_only=True):
     store: bool | None = None
     metadata: Metadata | None = None
     previous_response_id: str | None = None
-    user: Annotated[str, Meta(max_length=256)] | None = None
+    user: Annotated[str, Meta(max_length=256, pattern=_NO_NUL)] | None = None
 
 
 class MetadataUpdate(_Strict, kw_only=True):

@@ -39,6 +39,7 @@ async def listing(
 ) -> dict[str, Any]:
     """The caller's tenant's stored completions, oldest first (``descending``: newest
     first); ``metadata[key]=value`` keeps those tagged so."""
+    audit.texts(model=model, after=after)
     ledger = audit.ledger_of(ctx)
     found = await ledger.stored(
         principal.tenant,

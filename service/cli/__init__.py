@@ -7,6 +7,7 @@
     billing reconcile|export the ledger against the outbox; usage per tenant
     replay ID                an answer exactly as clients received it
     keys create              an API key for a tenant
+    tenants set NAME         a tenant's settings (keep every input for audit)
     archive purge            delete archived logs
 
 The only package that imports both ``service.api`` and ``workers``.
@@ -53,6 +54,17 @@ def _parser() -> argparse.ArgumentParser:
     kc.add_argument("--tenant", required=True)
     kc.add_argument("--role", choices=["user", "operator"], default="user")
     kc.add_argument("--models", help="comma-separated models it may use (default: all)")
+    tenants = sub.add_parser("tenants", help="tenants")
+    tenants_sub = tenants.add_subparsers(dest="tenants_cmd", required=True)
+    ts = tenants_sub.add_parser("set", help="a tenant's settings (created if new)")
+    ts.add_argument("tenant")
+    ts.add_argument(
+        "--keep-inputs",
+        choices=["on", "off"],
+        required=True,
+        help="keep every request's input for audit, whatever `store` says (the console "
+        "shows it; the tenant's stored completions list only `store: true` ones)",
+    )
     arch = sub.add_parser("archive", help="archived logs")
     arch_sub = arch.add_subparsers(dest="archive_cmd", required=True)
     purge = arch_sub.add_parser("purge", help="delete archived logs (retention, per tenant)")
@@ -63,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    quiet = args.cmd in ("billing", "replay", "archive", "keys")
+    quiet = args.cmd in ("billing", "replay", "archive", "keys", "tenants")
     logging.basicConfig(
         level=logging.WARNING if quiet else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
@@ -92,5 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(commands.replay_cmd(settings, args))
     elif args.cmd == "keys":
         raise SystemExit(commands.keys_create(settings, args))
+    elif args.cmd == "tenants":
+        raise SystemExit(commands.tenants_set(settings, args))
     elif args.cmd == "archive":
         raise SystemExit(commands.archive_purge(settings, args))

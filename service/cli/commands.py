@@ -154,6 +154,26 @@ def keys_create(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def tenants_set(settings: Settings, args: argparse.Namespace) -> int:
+    if not settings.database_url:
+        raise SystemExit("LASTEVENT_DATABASE_URL is not set")
+    url, keep = settings.database_url, args.keep_inputs == "on"
+
+    async def change() -> None:
+        engine = make_engine(url)
+        try:
+            await ApiKeys(engine).set_keep_inputs(args.tenant, keep)
+        finally:
+            await engine.dispose()
+
+    asyncio.run(change())
+    print(
+        f"tenant {args.tenant}: keep_inputs {args.keep_inputs} (API processes see it within "
+        f"LASTEVENT_AUTH_CACHE_S, {settings.auth_cache_s:g} s)"
+    )
+    return 0
+
+
 def archive_purge(settings: Settings, args: argparse.Namespace) -> int:
     days = settings.archive_retention_days if args.older_than_days is None else args.older_than_days
     older = (

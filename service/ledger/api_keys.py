@@ -67,6 +67,13 @@ class ApiKeys:
             )
         return f"sk-le-{key_id}-{secret}"
 
+    async def set_keep_inputs(self, tenant: str, keep: bool) -> None:
+        """Keep every request's input of ``tenant`` for audit (the tenant is made if new)."""
+        stmt = insert(TenantRow).values(name=tenant, keep_inputs=keep)
+        stmt = stmt.on_conflict_do_update(index_elements=["name"], set_={"keep_inputs": keep})
+        async with self.engine.begin() as conn:
+            await conn.execute(stmt)
+
     async def get(self, key_id: str) -> ApiKeyRow | None:
         """The key's row, ``None`` if there is none; ``PostgresUnavailable`` if Postgres
         cannot be asked (down, refusing, or not answering within the lookup bound)."""

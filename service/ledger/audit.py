@@ -14,7 +14,7 @@ import dataclasses
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import Select, and_, delete, func, inspect, or_, select, tuple_, update
+from sqlalchemy import Select, delete, func, inspect, select, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
 from service.ledger.ledger import asking
@@ -150,17 +150,13 @@ class Audit:
                 anchor = await self._stored_row(session, tenant, after)
                 if anchor is None:
                     return None
-                at, rid = anchor.created_at, anchor.id
-                if descending:
-                    newer = RequestRow.created_at < at
-                    query = query.where(
-                        or_(newer, and_(RequestRow.created_at == at, RequestRow.id < rid))
-                    )
-                else:
-                    older = RequestRow.created_at > at
-                    query = query.where(
-                        or_(older, and_(RequestRow.created_at == at, RequestRow.id > rid))
-                    )
+                # a row comparison: an index bound on (tenant, created_at, id), where an
+                # OR of the two cases would read the tenant's list from its start
+                key, at = (
+                    tuple_(RequestRow.created_at, RequestRow.id),
+                    (anchor.created_at, anchor.id),
+                )
+                query = query.where(key < tuple_(*at) if descending else key > tuple_(*at))
             order = (RequestRow.created_at, RequestRow.id)
             query = query.order_by(*(c.desc() if descending else c.asc() for c in order))
             rows = list((await session.execute(query.limit(limit + 1))).scalars())

@@ -82,11 +82,16 @@ def test_model_and_route_permissions_are_403(stack: Stack, keys: dict[str, str])
         rid = c.post(
             "/v1/chat/completions", json=chat_body(stack.model, "mine"), headers=auth(keys["acme"])
         ).json()["id"]
-        assert (
-            c.get(f"/v1/admin/requests/{rid}/replay", headers=auth(keys["acme"])).status_code == 403
-        )
+        # replay: the operator any tenant's, a tenant its own; reconcile is the operators'
         replay = c.get(f"/v1/admin/requests/{rid}/replay", headers=auth(keys["operator"]))
         assert replay.status_code == 200 and b"mine" in replay.content
+        own = c.get(f"/v1/admin/requests/{rid}/replay", headers=auth(keys["acme"]))
+        assert own.status_code == 200 and own.content == replay.content
+        theirs = c.get(f"/v1/admin/requests/{rid}/replay", headers=auth(keys["globex"]))
+        assert theirs.status_code == 404
+        span = {"since": "2020-01-01", "until": "2100-01-01"}
+        reconcile = c.get("/v1/admin/billing/reconcile", params=span, headers=auth(keys["acme"]))
+        assert reconcile.status_code == 403 and reconcile.json()["error"]["code"] == "forbidden"
 
 
 def test_other_tenants_requests_are_404_everywhere(stack: Stack, keys: dict[str, str]) -> None:

@@ -304,7 +304,7 @@ def test_the_sampling_fields_vllm_users_send_are_taken(stack: Stack, sdk: OpenAI
     [
         ({"temprature": 0.5}, "temprature", "Unrecognized request argument supplied: temprature"),
         ({"functions": [{"name": "f"}]}, "functions", "not supported"),
-        ({"metadata": {"a": "b"}}, "metadata", "not supported"),
+        ({"metadata": {"a": "b" * 513}}, "metadata", "length <= 512"),
         ({"top_logprobs": 2}, "top_logprobs", "logprobs"),
         ({"tool_choice": "required"}, "tool_choice", "tools"),
         ({"frequency_penalty": 3}, "frequency_penalty", "<= 2.0"),

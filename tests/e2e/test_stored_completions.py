@@ -168,6 +168,8 @@ def test_another_tenant_sees_nothing(stack: Stack, tenants: dict[str, str]) -> N
         ({"k" * 65: "v"}, "a 65-character key"),
         ({"k": "v" * 513}, "a 513-character value"),
         ({"k": 1}, "a number"),
+        ({"k": "a\x00b"}, "a NUL (Postgres' JSONB cannot hold it: the recorder would fail)"),
+        ({"a\x00": "b"}, "a NUL in a key"),
     ],
 )
 def test_metadata_out_of_bounds_is_a_400_naming_it(
@@ -181,3 +183,24 @@ def test_metadata_out_of_bounds_is_a_400_naming_it(
             metadata=metadata,  # type: ignore[arg-type]
         )
     assert "metadata" in str(caught.value.body), why
+
+
+def test_a_nul_in_user_or_a_filter_is_a_400_not_a_stuck_recorder(
+    stack: Stack, tenants: dict[str, str]
+) -> None:
+    """Postgres takes no NUL in text: the ``user`` the billing row keeps, and every filter
+    the ledger is asked with, are refused at the door (a 500, or an entry the recorder
+    retries for ever, otherwise)."""
+    a = sdk(stack, tenants["a"])
+    with pytest.raises(openai.BadRequestError) as caught:
+        a.chat.completions.create(
+            model=stack.model, messages=[{"role": "user", "content": "x"}], user="a\x00b"
+        )
+    assert caught.value.body["param"] == "user"  # type: ignore[index]
+    for params in ({"model": "m\x00"}, {"metadata[k]": "v\x00"}, {"after": "\x00"}):
+        answer = httpx.get(
+            f"{stack.url}/v1/chat/completions",
+            params=params,
+            headers={"Authorization": f"Bearer {tenants['a']}"},
+        )
+        assert answer.status_code == 400, (params, answer.text)

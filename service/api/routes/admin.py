@@ -136,6 +136,17 @@ class AdminController(Controller):
         cursor: str | None = None,
     ) -> dict[str, Any]:
         principal = await _caller(ctx, request)
+        audit.texts(
+            tenant=tenant,
+            api_key=api_key,
+            user=user,
+            model=model,
+            state=state_,
+            error_code=error_code,
+            finish_reason=finish_reason,
+            kind=kind,
+            cursor=cursor,
+        )
         after = None
         if cursor:
             after = Position.decode(cursor)
@@ -218,6 +229,7 @@ class AdminController(Controller):
         if format not in ("json", "csv"):
             raise InvalidRequest("format must be json or csv", param="format")
         start, end = _range(since, until)
+        audit.texts(tenant=tenant)
         rows = await audit.ledger_of(ctx).spend(start, end, _tenant(principal, tenant))
         if format == "json":
             return Response({"object": "list", "data": rows})
