@@ -4,6 +4,9 @@ messages, update, delete; another tenant sees none of it (404s, never 403s)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -204,3 +207,26 @@ def test_a_nul_in_user_or_a_filter_is_a_400_not_a_stuck_recorder(
             headers={"Authorization": f"Bearer {tenants['a']}"},
         )
         assert answer.status_code == 400, (params, answer.text)
+
+
+def test_purging_a_tenants_archives_takes_its_stored_completions(
+    stack: Stack, database_url: str
+) -> None:
+    """Retention applies to inputs as to answers: ``lastevent archive purge --tenant``
+    deletes both, and the stored completions among them are no longer listed."""
+    tenant = f"purged-{uuid.uuid4().hex[:8]}"
+    key = make_key(database_url, tenant)
+    client = sdk(stack, key)
+    made = client.chat.completions.create(
+        model=stack.model,
+        messages=[{"role": "user", "content": "soon purged"}],
+        store=True,
+    )
+    recorded(client, made.id)
+    env = {**os.environ, **stack.settings.to_env()}
+    purge = [sys.executable, "-m", "service.cli", "archive", "purge", "--tenant", tenant]
+    done = subprocess.run(purge, env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and "deleted 1 archived logs" in done.stdout, done
+    assert listed(client, order="desc", limit=100) == []
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.retrieve(made.id)

@@ -160,6 +160,13 @@ def logged_text(st: Stack, rid: str) -> str:
     return "".join(e.text for e in found if isinstance(e, ev.Delta))
 
 
+def claims(st: Stack, rid: str) -> list[tuple[str, str]]:
+    """The log's claim marks: (worker, how) on the first delta each worker appended."""
+    entries = store(st).xrange(Keys(st.settings.key_prefix, st.settings.partitions).log(rid))
+    found = (ev.decode(fields[b"e"]) for _, fields in entries)
+    return [(e.by, e.how or "") for e in found if isinstance(e, ev.Delta) and e.by is not None]
+
+
 def proc_named(st: Stack, procs: dict[str, subprocess.Popen[bytes]], owner: str) -> str:
     [name] = [n for n in procs if owner.startswith(f"{n}-")]
     return name
@@ -196,6 +203,16 @@ def assert_whole(
     assert (row["takeovers"], row["handovers"]) == (takeovers, handovers), row
     if takeovers or handovers:
         assert row["reprefill_tokens"] > row["prompt_tokens"], row
+    # where a worker died or stopped and another continued: the console's marks
+    marks = claims(st, s.request_id)
+    hows = [how for _, how in marks]
+    for how, times in (("takeover", takeovers), ("handover", handovers)):
+        # at most one mark a time (none for a worker lost before its first delta)
+        assert (1 <= hows.count(how) <= times) if times else how not in hows, marks
+    if not (takeovers or handovers):
+        assert hows == ["first"], marks
+    elif hows[0] == "first":  # the first worker wrote something: another continued
+        assert marks[0][0] != marks[-1][0], marks
     # a reader that comes later reads the same answer from the log, once
     replay = httpx.get(f"{st.url}/v1/requests/{s.request_id}/events", timeout=30).text
     assert replay.count("data: [DONE]") == 1
