@@ -371,7 +371,7 @@ def admin_sql(case: Case, after: tuple[dt.datetime, str] | None, limit: int = 50
 
 def stored_sql(case: Case, after: tuple[dt.datetime, str] | None) -> Statement:
     """``Audit.stored``: the tenant's ``stored`` rows by ``created_at`` (then id), the
-    ``after`` anchor's position as ``created_at > t OR (created_at = t AND id > id)``."""
+    ``after`` anchor's position as a row comparison ``(created_at, id) > (t, id)``."""
     desc = case.params.get("order") == "desc"
     where = ["tenant = :tenant", "stored"]
     binds: dict[str, Any] = {"tenant": case.who}
@@ -383,9 +383,7 @@ def stored_sql(case: Case, after: tuple[dt.datetime, str] | None) -> Statement:
         binds["meta"] = json.dumps(meta)
     if after is not None:
         op = "<" if desc else ">"
-        where.append(
-            f"(created_at {op} :after_at OR (created_at = :after_at AND id {op} :after_id))"
-        )
+        where.append(f"(created_at, id) {op} (:after_at, :after_id)")
         binds.update(after_at=after[0], after_id=after[1])
     way = "DESC" if desc else "ASC"
     limit = int(case.params.get("limit", "20"))
