@@ -56,6 +56,7 @@ class Settings:
     stream_token_ttl_s: float = 3600.0  # how long a stream token reads its request
     idempotency_ttl_s: int = 86400  # an Idempotency-Key names the same request this long
     dev_api_key: str = "sk-le-dev-localdevelopment"  # created by `lastevent up` only
+    dev_operator_key: str = "sk-le-devops-localoperator"  # likewise (the console's)
     default_max_tokens: int = 256
     max_model_len: int = 8192
 

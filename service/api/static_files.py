@@ -11,11 +11,12 @@ from litestar import Response
 from litestar.exceptions import NotFoundException
 
 STATIC = Path(__file__).resolve().parent / "static"
+# (Litestar adds "; charset=utf-8" to a text type itself: it was there twice)
 _TYPES = {
-    ".js": "text/javascript; charset=utf-8",
-    ".mjs": "text/javascript; charset=utf-8",
-    ".html": "text/html; charset=utf-8",
-    ".css": "text/css; charset=utf-8",
+    ".js": "text/javascript",
+    ".mjs": "text/javascript",
+    ".html": "text/html",
+    ".css": "text/css",
     ".png": "image/png",
     ".svg": "image/svg+xml",
 }

@@ -37,7 +37,9 @@ def up(settings: Settings) -> None:
         )
         assert settings.database_url is not None
         upgrade(settings.database_url)
-        dev_key = ensure_dev_key(settings) if settings.auth == "required" else None
+        keys = settings.auth == "required"
+        dev_key = ensure_dev_key(settings) if keys else None
+        ops_key = ensure_dev_key(settings, operator=True) if keys else None
         if not is_prepared(settings.resolved_model_dir):
             print("preparing the model (once)...", flush=True)
             prepare_model(settings.resolved_model_dir)
@@ -47,24 +49,33 @@ def up(settings: Settings) -> None:
             print(f"lastevent serving on http://{settings.host}:{settings.port}  (Ctrl-C stops)")
             if dev_key:
                 print(f"development API key (tenant 'dev', local use only): {dev_key}")
+            if ops_key:
+                print(
+                    f"operators' console: http://{settings.host}:{settings.port}/console "
+                    f"(operator key, local use only: {ops_key})"
+                )
         _supervise(children)
 
 
-def ensure_dev_key(settings: Settings) -> str:
-    """A fixed development key, so the quick start works as printed."""
-    parsed = parse_key(settings.dev_api_key)
+def ensure_dev_key(settings: Settings, *, operator: bool = False) -> str:
+    """A fixed development key (tenant ``dev``), or operator key (tenant ``ops``), so the
+    quick start and the console work as printed."""
+    key = settings.dev_operator_key if operator else settings.dev_api_key
+    parsed = parse_key(key)
     if parsed is None:
-        raise SystemExit("LASTEVENT_DEV_API_KEY must look like sk-le-<id>-<secret>")
+        name = "LASTEVENT_DEV_OPERATOR_KEY" if operator else "LASTEVENT_DEV_API_KEY"
+        raise SystemExit(f"{name} must look like sk-le-<id>-<secret>")
 
     async def create(key_id: str, secret: str) -> None:
         engine = make_engine(settings.database_url or "")
         try:
-            await ApiKeys(engine).create("dev", key_id=key_id, secret=secret)
+            tenant, role = ("ops", "operator") if operator else ("dev", "user")
+            await ApiKeys(engine).create(tenant, role=role, key_id=key_id, secret=secret)
         finally:
             await engine.dispose()
 
     asyncio.run(create(*parsed))
-    return settings.dev_api_key
+    return key
 
 
 def _spawn(role: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
