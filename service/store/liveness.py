@@ -154,11 +154,11 @@ class Announcer:
             self.connections += 1
             if self.connections > 1:
                 log.info("the worker's named connection is back (%s)", node)
-            self.connected.set()
             try:
                 await self._announced()
             except Exception as exc:  # noqa: BLE001 - the next heartbeat says it
                 survived("a heartbeat after connecting", exc)
+            self.connected.set()  # (subscribed and announced: an observer sees both)
             while True:  # nothing is published: a reply is the slot moving, or an error
                 message = await conn.read_response(timeout=math.inf, push_request=True)
                 if isinstance(message, list) and message:
