@@ -6,32 +6,16 @@
 //   connection" once mid-answer, wait for the end; the answer shown, the state shown.
 // eventsource: open a page of another origin (PAGE_URL) that follows an answer with a
 //   plain EventSource and a stream token; wait until the EventSource is CLOSED.
-import { mkdtempSync, rmSync } from "node:fs";
-import { tmpdir } from "node:os";
-import { join } from "node:path";
+import { rmSync } from "node:fs";
 
-import { chromium } from "playwright-core";
+import { launch } from "./chromium.mjs";
 
 const env = process.env;
 const TIMEOUT_MS = 150_000; // a safety net only: every wait below is for an event
 
-const profile = mkdtempSync(join(tmpdir(), "lastevent-chromium-"));
-const context = await chromium.launchPersistentContext(profile, {
-  executablePath: env.CHROMIUM || "/usr/bin/chromium",
-  headless: true,
-  args: [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-  ],
+const { profile, context, page } = await launch("lastevent-chromium-", {
   viewport: { width: 1000, height: 860 },
 });
-const page = context.pages()[0] || (await context.newPage());
 const consoleLines = [];
 page.on("console", (m) => consoleLines.push(`${m.type()}: ${m.text()}`));
 page.on("pageerror", (e) => consoleLines.push(`pageerror: ${e.message}`));

@@ -12,34 +12,19 @@
 // Every mode also reports where the key can be found (the address, localStorage, cookies,
 // sessionStorage), the page's console errors and its CSP violations, and the calls of
 // window.pwned() -- a function only an injected script would call.
-import { mkdtempSync, readFileSync, rmSync } from "node:fs";
-import { tmpdir } from "node:os";
+import { readFileSync, rmSync } from "node:fs";
 import { join } from "node:path";
 
-import { chromium } from "playwright-core";
+import { launch } from "./chromium.mjs";
 
 const env = process.env;
 const TIMEOUT_MS = 120_000; // a safety net only: every wait below is for an event
 const KEY = env.CONSOLE_KEY;
 
-const profile = mkdtempSync(join(tmpdir(), "lastevent-console-"));
-const context = await chromium.launchPersistentContext(profile, {
-  executablePath: env.CHROMIUM || "/usr/bin/chromium",
-  headless: true,
+const { profile, context, page } = await launch("lastevent-console-", {
   acceptDownloads: true,
-  args: [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-  ],
   viewport: { width: 1280, height: 900 },
 });
-const page = context.pages()[0] || (await context.newPage());
 const consoleLines = [];
 const pwned = [];
 page.on("console", (m) => consoleLines.push(`${m.type()}: ${m.text()} (${m.location().url || "-"})`));
