@@ -94,6 +94,9 @@ bench-park: $(STAMP)  ## clients that hang up (AIPerf's cancellation) and come b
 bench-ledger: $(STAMP)  ## the console's request list and stored completions at 1,000,000 ledger rows: p50 / p99 per filter, HTTP and SQL (~2 min)
 	$(BIN)/python -m bench.ledger_scale $(BENCH_ARGS)
 
+bench-cpu: $(STAMP)  ## the CPU engine batched vs one request at a time: 1, 2, 4, 8 clients, TTFT and tokens/s (~5 min)
+	$(BIN)/python -m bench.cpu_batching $(BENCH_ARGS)
+
 bench-vllm: $(VLLM_STAMP)  ## TTFT / ITL: vLLM's own OpenAI server vs lastevent + vLLM worker
 	$(VLLM_BIN)/python -m bench.vllm_compare $(BENCH_ARGS)
 
@@ -124,4 +127,4 @@ lint: $(STAMP)  ## the static gates CI runs first: ruff, ruff format, mypy stric
 clean:  ## remove the virtualenv and caches (not the data dir)
 	rm -rf $(VENV) $(VLLM_VENV) $(GUIDELLM_VENV) .pytest_cache .hypothesis .cache
 
-.PHONY: help install run test test-cluster test-chaos test-clients test-vllm bench bench-durability bench-cluster bench-takeover bench-park bench-ledger bench-vllm bench-guidellm test-fast lint clean
+.PHONY: help install run test test-cluster test-chaos test-clients test-vllm bench bench-durability bench-cluster bench-takeover bench-park bench-ledger bench-cpu bench-vllm bench-guidellm test-fast lint clean

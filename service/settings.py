@@ -108,6 +108,10 @@ class Settings:
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     )
     worker_concurrency: int = 8  # requests one worker runs at once
+    # the CPU engine: requests decoded together (1: one at a time, as before batching),
+    # and the prompt tokens a joining request prefills per step (its wait for the others)
+    cpu_max_batch: int = 8
+    cpu_prefill_chunk: int = 256
     worker_drain_s: float = 30.0  # on SIGTERM: running requests may finish this long, then
     # the rest are handed over to another worker
     max_takeovers: int = 2  # times a request's worker may be lost and another continue it

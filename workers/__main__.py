@@ -46,7 +46,12 @@ def build_engine(settings: Settings, model: ModelInfo) -> Engine:
     if settings.engine == "cpu":
         from workers.engines.cpu import CpuEngine
 
-        return CpuEngine(settings.resolved_model_dir, eos_token_ids=model.eos_token_ids)
+        return CpuEngine(
+            settings.resolved_model_dir,
+            eos_token_ids=model.eos_token_ids,
+            max_batch=settings.cpu_max_batch,
+            prefill_chunk=settings.cpu_prefill_chunk,
+        )
     if settings.engine == "vllm":
         from workers.engines.vllm import VllmConfig, VllmEngine
 

@@ -1,5 +1,6 @@
-"""Takeover on a real model: SmolLM2-135M on the CPU engine, its worker killed (kill -9)
-mid-answer; the other worker prefills prompt + the logged ids and continues.
+"""Takeover on a real model: SmolLM2-135M on the CPU engine (batched), its worker killed
+(kill -9) mid-answer; the other worker prefills prompt + the logged ids and continues,
+beside the requests it is already running.
 
 Greedy decoding (temperature 0), so the answer is known: the same request run first on
 the same stack with no kill. The client's text (and the ids in the log) must equal it
@@ -161,7 +162,15 @@ def test_a_killed_cpu_workers_answer_continues_on_the_other(cpu_stack: Stack) ->
     st.start_api()
 
     def make() -> list[Stream]:
-        question = "Write a long story about a robot who learns to paint."
-        return [Stream(question, {"temperature": 0, "max_tokens": 48})]
+        """The answer to be interrupted, and three beside it: each worker's engine runs its
+        requests as one batch, and the one that takes over continues the first inside its
+        own batch -- every answer must still be the calm run's, id for id."""
+        questions = [
+            "Write a long story about a robot who learns to paint.",
+            "Describe a walk through an old city at dawn.",
+            "Explain how a bicycle stays upright.",
+            "Tell the story of a lost umbrella.",
+        ]
+        return [Stream(q, {"temperature": 0, "max_tokens": 48}) for q in questions]
 
     a_kill_mid_answer_changes_nothing(st, procs, make)

@@ -106,7 +106,12 @@ def test_only_the_cli_imports_both_the_api_and_the_workers() -> None:
 THIRD_PARTY = {  # library -> the modules that may import it (its client types aside)
     "sqlalchemy": ("service.ledger", "service.cli.embedded.postgres"),
     "vllm": ("workers.engines.vllm",),
-    "torch": ("workers.engines.cpu", "workers.engines.cpu_sampling", "service.cli.model"),
+    "torch": (
+        "workers.engines.cpu",
+        "workers.engines.cpu_batch",
+        "workers.engines.cpu_sampling",
+        "service.cli.model",
+    ),
     "transformers": ("workers.engines.cpu", "service.cli.model"),
 }
 # outside store/, redis-py may be named for its client type and its exceptions only

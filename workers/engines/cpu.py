@@ -1,13 +1,16 @@
 """The embedded CPU engine: the prepared safetensors model run with torch + transformers.
 
-Meant for development, tests and tiny deployments, not throughput: requests run one at
-a time on a single worker thread (others queue behind it), one token per step, with a
-hand-written decode loop over the KV cache rather than ``model.generate`` so that an
-abort, or a consumer that walks away, is noticed before the next token is computed.
+Meant for development, tests and small deployments. Requests are batched continuously
+(``cpu_batch.py``): up to ``max_batch`` run at once on a single decode thread, joining
+and leaving between steps, a joining prompt prefilled a chunk at a time; ``max_batch=1``
+runs them one at a time (the engine before batching, kept for comparison). A
+hand-written decode loop over the KV cache rather than ``model.generate``, so that an
+abort, or a consumer that walks away, frees its slot at the next step.
 
 Thread <-> loop hand-off: the decode thread pushes ``StepOutput``s (or the exception
-that killed it) into the request's ``asyncio.Queue`` with ``loop.call_soon_threadsafe``.
-torch, transformers and xgrammar are imported in the worker thread, never at module import.
+that ended a request) into the request's ``asyncio.Queue`` with
+``loop.call_soon_threadsafe``. torch, transformers and xgrammar are imported in the
+decode thread, never at module import.
 
 Sampling (``cpu_sampling.Sampler``) applies every ``SamplingParams`` field in vLLM's sampler order,
 so that this engine and vLLM agree; structured output is xgrammar's, the library vLLM
@@ -31,11 +34,14 @@ from typing import Any
 from service.stream.lifecycle import EngineFinish
 from service.stream.params import SamplingParams, Structured
 from workers.engines.base import EngineError, StepOutput
+from workers.engines.cpu_batch import Scheduler, Seq
 from workers.engines.cpu_sampling import Sampler
 
 _ABORTED = StepOutput([], finished=True, finish_reason=EngineFinish.ABORT)
 _ANY_OBJECT = '{"type": "object"}'  # json_object, as vLLM's xgrammar backend compiles it
 _REMEMBERED_EARLY_ABORTS = 1024
+MAX_BATCH = 8  # requests decoded together (LASTEVENT_CPU_MAX_BATCH)
+PREFILL_CHUNK = 256  # joining prompt tokens prefilled per step (the running ones wait)
 
 
 @dataclasses.dataclass(slots=True)
@@ -50,17 +56,27 @@ class _Request:
 
 
 class CpuEngine:
-    """Runs the prepared model in-process on CPU, one request at a time."""
+    """Runs the prepared model in-process on CPU, requests batched continuously."""
 
     name = "cpu"
 
     def __init__(
-        self, model_dir: Path, *, eos_token_ids: Sequence[int] = (), threads: int | None = None
+        self,
+        model_dir: Path,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        threads: int | None = None,
+        max_batch: int = MAX_BATCH,
+        prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
         """``eos_token_ids``: the ids that end a request (``finish_reason`` ``stop``)."""
         self.model_dir = Path(model_dir)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.threads = threads
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self._scheduler: Scheduler | None = None
+        self._looping: concurrent.futures.Future[None] | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._model: Any = None
         self._cache_kw = "past_key_values"
@@ -89,11 +105,19 @@ class CpuEngine:
             raise EngineError(
                 f"cpu engine: cannot load {self.model_dir}: {exc}", "engine_start"
             ) from exc
+        self._scheduler = Scheduler(
+            self._forward, self._admit, max_batch=self.max_batch, prefill_chunk=self.prefill_chunk
+        )
+        self._looping = self._executor.submit(self._loop, self._scheduler)
 
     async def close(self) -> None:
         """Abort everything in flight and let the decode thread finish its current step."""
         for request in list(self._active.values()):
             self._abort_request(request)
+        scheduler, self._scheduler = self._scheduler, None
+        if scheduler is not None:
+            scheduler.closed = True
+            scheduler.poke()
         executor, self._executor = self._executor, None
         if executor is not None:
             shutdown = functools.partial(executor.shutdown, wait=True, cancel_futures=True)
@@ -127,7 +151,8 @@ class CpuEngine:
         generated: Sequence[int] = (),
     ) -> AsyncGenerator[StepOutput, None]:
         """Yield one ``StepOutput`` per generated token; the last one has ``finished``."""
-        if self._model is None or self._executor is None:
+        scheduler = self._scheduler
+        if self._model is None or scheduler is None:
             raise EngineError("cpu engine is not started", "engine_not_ready")
         if request_id in self._active:
             raise EngineError(f"request {request_id!r} is already running", "duplicate_request")
@@ -138,7 +163,7 @@ class CpuEngine:
         if request_id in self._early_aborts:
             del self._early_aborts[request_id]
             self._abort_request(request)
-        future = loop.run_in_executor(self._executor, self._run, request)
+        scheduler.submit(request)
         try:
             while True:
                 item = await queue.get()
@@ -150,9 +175,10 @@ class CpuEngine:
                 if item.finished:
                     return
         finally:
-            # Normal end, abort, error, or the consumer walked away: stop the thread.
+            # Normal end, abort, error, or the consumer walked away: its slot is freed at
+            # the decode thread's next step.
             request.stop.set()
-            future.cancel()
+            scheduler.poke()
             if self._active.get(request_id) is request:
                 del self._active[request_id]
 
@@ -166,56 +192,46 @@ class CpuEngine:
         while len(self._early_aborts) > _REMEMBERED_EARLY_ABORTS:
             self._early_aborts.popitem(last=False)
 
-    @staticmethod
-    def _abort_request(request: _Request) -> None:
+    def _abort_request(self, request: _Request) -> None:
         """Flag the thread and queue the abort step directly, so a waiting request ends too."""
         request.stop.set()
         request.emit(_ABORTED)
+        if self._scheduler is not None:
+            self._scheduler.poke()
 
     # -- the decode thread -----------------------------------------------------------
 
-    def _run(self, request: _Request) -> None:
-        """Executor entry point: decode, and turn any failure into a queue item."""
-        if request.stop.is_set():
-            return
-        try:
-            self._decode(request)
-        except BaseException as exc:  # noqa: BLE001 - everything must reach the loop
-            request.emit(exc)
-
-    def _decode(self, request: _Request) -> None:
+    @staticmethod
+    def _loop(scheduler: Scheduler) -> None:
+        """The decode thread's body: the scheduler's steps, under inference mode."""
         import torch
 
-        params = request.params
-        self._validate(request.prompt_token_ids, request.generated, params)
-        prompt = request.prompt_token_ids + request.generated
-        left = params.max_tokens - len(request.generated)
-        budget = min(left, self._max_len - len(prompt)) if self._max_len else left
-        if budget <= 0:
-            request.emit(StepOutput([], finished=True, finish_reason=EngineFinish.LENGTH))
-            return
-        # masked before min_tokens, and what a finished grammar allows (as vLLM's stop ids)
-        stops = self.eos_token_ids | frozenset(params.stop_token_ids)
-        ends = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else self.eos_token_ids
-        )
         with torch.inference_mode():
+            scheduler.run()
+
+    def _admit(self, request: _Request) -> Seq | None:
+        """A request checked and its sampler made (on the decode thread): its ``Seq``, or
+        None when it ended already (its error, or no token left to make)."""
+        try:
+            params = request.params
+            self._validate(request.prompt_token_ids, request.generated, params)
+            prompt = request.prompt_token_ids + request.generated
+            left = params.max_tokens - len(request.generated)
+            budget = min(left, self._max_len - len(prompt)) if self._max_len else left
+            if budget <= 0:
+                request.emit(StepOutput([], finished=True, finish_reason=EngineFinish.LENGTH))
+                return None
+            # masked before min_tokens, and what a finished grammar allows (as vLLM's stops)
+            stops = self.eos_token_ids | frozenset(params.stop_token_ids)
+            ends = frozenset(params.stop_token_ids) | (
+                frozenset() if params.ignore_eos else self.eos_token_ids
+            )
             matcher = self._matcher(params.structured, stops)
             sampler = Sampler(params, prompt, request.generated, self._vocab, stops, matcher)
-            logits, cache = self._forward(torch.tensor([prompt], dtype=torch.long), None)
-            for produced in range(1, budget + 1):
-                if request.stop.is_set():
-                    return
-                token, sampled = sampler.next(logits)
-                logprobs = None if sampled is None else [sampled]
-                if token in ends or produced == budget:
-                    reason = EngineFinish.STOP if token in ends else EngineFinish.LENGTH
-                    request.emit(
-                        StepOutput([token], finished=True, finish_reason=reason, logprobs=logprobs)
-                    )
-                    return
-                request.emit(StepOutput([token], logprobs=logprobs))
-                logits, cache = self._forward(torch.tensor([[token]], dtype=torch.long), cache)
+        except BaseException as exc:  # noqa: BLE001 - everything must reach the loop
+            request.emit(exc)
+            return None
+        return Seq(request, sampler, ends, budget, prompt)
 
     def _validate(self, prompt: list[int], generated: list[int], params: SamplingParams) -> None:
         vocab = self._vocab
@@ -263,13 +279,19 @@ class CpuEngine:
             raise EngineError(f"invalid JSON schema: {exc}", "invalid_request") from exc
         return xgrammar.GrammarMatcher(compiled, override_stop_tokens=sorted(stops))
 
-    def _forward(self, input_ids: Any, cache: Any) -> tuple[Any, Any]:
-        """One model step; returns the last position's logits (float32) and the new cache."""
+    def _forward(
+        self, input_ids: Any, cache: Any, attention_mask: Any = None, position_ids: Any = None
+    ) -> tuple[Any, Any]:
+        """One model step over a batch; each row's last logits (float32) and the cache."""
         kwargs: dict[str, Any] = {"input_ids": input_ids, "use_cache": True, self._cache_kw: cache}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids
         kwargs.update(self._extra_kwargs)
         out = self._model(**kwargs)
         new_cache = out.cache if self._cache_kw == "cache" else out.past_key_values
-        return out.logits[0, -1].float(), new_cache
+        return out.logits[:, -1].float(), new_cache
 
 
 def _emitter(
