@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import logging
 import os
@@ -89,6 +90,10 @@ def build_recorder(
 
 
 async def serve(settings: Settings) -> None:
+    if settings.engine == "cpu" and settings.cpu_max_batch < settings.worker_concurrency:
+        # the CPU engine's slots are its batch: the worker claims no more (the rest wait
+        # in the queue, where admission counts them and another worker may take them)
+        settings = dataclasses.replace(settings, worker_concurrency=max(1, settings.cpu_max_batch))
     if not settings.redis_url:
         raise SystemExit("LASTEVENT_REDIS_URL is not set")
     serve_metrics(settings.metrics_port, settings.host)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,6 +10,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from service.store.keys import Keys
+from service.store.queue import Heartbeat
 from tests.e2e.conftest import Stack, running
 from tests.e2e.helpers import assert_ids_increase, content_of, read_all
 
@@ -52,3 +55,38 @@ def test_real_model_streams_and_resumes(cpu_stack: Stack) -> None:
             },
         ).json()
         assert again["choices"][0]["message"]["content"] == text
+
+
+def test_the_batch_is_the_workers_slots_and_answers_stay_whole(
+    tmp_path: Path, redis_url: str, database_url: str, model_dir: Path
+) -> None:
+    """``LASTEVENT_CPU_MAX_BATCH=2``: the worker's heartbeat offers 2 slots (what admission
+    counts), and four greedy requests sent together -- two batched, two waiting in the
+    queue -- each get the answer they get alone."""
+
+    with running(tmp_path, redis_url, database_url, model_dir, engine="cpu", cpu_max_batch=2) as st:
+        sdk = OpenAI(base_url=st.url + "/v1", api_key="unused", max_retries=0)
+        questions = [
+            "What is 2+2?",
+            "Name a colour.",
+            "Say hello.",
+            "What is the capital of Italy?",
+        ]
+
+        def ask(q: str) -> str:
+            answer = sdk.chat.completions.create(
+                model=st.model,
+                messages=[{"role": "user", "content": q}],
+                temperature=0,
+                max_tokens=16,
+            )
+            return answer.choices[0].message.content or ""
+
+        alone = [ask(q) for q in questions]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(ask, questions))
+        assert together == alone
+
+        keys = Keys(st.settings.key_prefix, st.settings.partitions)
+        beats = st.store().hgetall(keys.workers).values()
+        assert [Heartbeat.decode(b).slots for b in beats] == [2]
