@@ -35,7 +35,10 @@ from tests.clients.conftest import (
     api_target,
 )
 
-pytestmark = pytest.mark.clients
+# pytest-timeout counts the fixtures' setup (the session's stack, when this test is the
+# first) as well as the browser's run: the script's own waits (100 s) run out first and
+# say what the page showed, then node's (240 s), then this one.
+pytestmark = [pytest.mark.clients, pytest.mark.timeout(300)]
 
 CHROMIUM = Path(os.environ.get("LASTEVENT_CHROMIUM", "/usr/bin/chromium"))
 
@@ -51,7 +54,7 @@ SPARED = ("GET /playground", "GET /static/", "GET /favicon.ico")  # the page's o
 
 def browser(node: Any, mode: str, env: dict[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = node(
-        "js/browser.mjs", mode, env={**env, "CHROMIUM": str(CHROMIUM)}
+        "js/browser.mjs", mode, env={**env, "CHROMIUM": str(CHROMIUM)}, timeout=240
     ).result()
     return out
 

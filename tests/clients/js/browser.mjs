@@ -11,7 +11,7 @@ import { rmSync } from "node:fs";
 import { launch } from "./chromium.mjs";
 
 const env = process.env;
-const TIMEOUT_MS = 150_000; // a safety net only: every wait below is for an event
+const TIMEOUT_MS = 100_000; // a safety net only: every wait below is for an event
 
 const { profile, context, page } = await launch("lastevent-chromium-", {
   viewport: { width: 1000, height: 860 },
@@ -59,7 +59,11 @@ try {
   const result = await modes[mode]();
   console.log(JSON.stringify({ ...result, console: consoleLines }));
 } catch (e) {
-  console.error(`${e.stack || e}\nbrowser console:\n${consoleLines.join("\n")}`);
+  // what the page showed when the wait ran out: its state and its log of reconnects
+  const shown = await page
+    .evaluate(() => JSON.stringify({ state: window.playground || window.result, log: [...document.querySelectorAll("#log li")].map((li) => li.textContent) }))
+    .catch((err) => `(page not readable: ${err})`);
+  console.error(`${e.stack || e}\npage: ${shown}\nbrowser console:\n${consoleLines.join("\n")}`);
   process.exitCode = 1;
 } finally {
   await context.close();
