@@ -31,7 +31,12 @@ class Settings:
     database_url: str | None = None  # None: `lastevent up` starts an embedded Postgres
     data_dir: Path = dataclasses.field(default_factory=default_data_dir)
     model_dir: Path | None = None  # default: <data_dir>/models/<model_name>
-    model_name: str = MODEL_NAME
+    model_name: str = MODEL_NAME  # (also read as LASTEVENT_MODEL) the model served
+    # a worker's LoRA adapters on its model, as vLLM's --lora-modules: "name=path,..."
+    lora_modules: str = ""
+    # more models the API accepts (and `lastevent up` starts a worker for): "name=dir,..."
+    # (a name alone: <data_dir>/models/<name>); each needs its tokenizer in that dir
+    models: str = ""
     key_prefix: str = "le"  # every Redis key starts with it (tests use random ones)
     redis_cluster: bool = False  # LASTEVENT_REDIS_URL names a node of a Redis Cluster
     # requests are spread over this many partitions, one cluster slot each (the same in
@@ -159,6 +164,18 @@ class Settings:
     def resolved_model_dir(self) -> Path:
         return self.model_dir or self.data_dir / "models" / self.model_name
 
+    @property
+    def model_dirs(self) -> dict[str, Path]:
+        """Every model the API accepts, with its directory: the model, then ``models``."""
+        out = {self.model_name: self.resolved_model_dir}
+        for part in (p.strip() for p in self.models.split(",")):
+            if part:
+                name, sep, path = part.partition("=")
+                out[name.strip()] = (
+                    Path(path.strip()).expanduser() if sep else self.data_dir / "models" / name
+                )
+        return out
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         env = os.environ if env is None else env
@@ -191,7 +208,7 @@ class Settings:
 
 
 # former names, still read (the new name wins when both are set)
-ALIASES = {"RESUME_GRACE_S": "RESUME_WINDOW_S"}
+ALIASES = {"RESUME_GRACE_S": "RESUME_WINDOW_S", "MODEL": "MODEL_NAME"}
 
 
 def _convert(type_name: Any, raw: str, name: str) -> Any:

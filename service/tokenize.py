@@ -68,6 +68,10 @@ class ModelInfo:
             chat_template=meta["chat_template"],
         )
 
+    def renamed(self, name: str) -> ModelInfo:
+        """The same tokenizer and template under another name (an adapter's)."""
+        return dataclasses.replace(self, name=name)
+
     def render_chat(
         self,
         messages: list[dict[str, Any]],

@@ -20,6 +20,7 @@ from service.store import commit
 from service.store.commit import Committer
 from service.store.keys import Keys
 from service.store.log import RedisLog
+from service.store.models import parse_lora_modules
 from service.store.outbox import Outbox
 from service.store.pool import connect, warm
 from service.tokenize import ModelInfo
@@ -32,6 +33,10 @@ log = logging.getLogger("lastevent.worker")
 
 
 def build_engine(settings: Settings, model: ModelInfo) -> Engine:
+    try:
+        adapters = parse_lora_modules(settings.lora_modules)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     if settings.engine == "scripted":
         from workers.engines.scripted import ScriptedEngine
 
@@ -43,8 +48,14 @@ def build_engine(settings: Settings, model: ModelInfo) -> Engine:
             stall_after=settings.scripted_stall_after,
             prefill_s=settings.scripted_prefill_s,
             crash_after=settings.scripted_crash_after,
+            adapters=list(adapters),
         )
     if settings.engine == "cpu":
+        if adapters:
+            raise SystemExit(
+                "the cpu engine serves no LoRA adapters: unset LASTEVENT_LORA_MODULES, or "
+                "run them on the vllm engine (a model of its own: another worker)"
+            )
         from workers.engines.cpu import CpuEngine
 
         return CpuEngine(
@@ -66,6 +77,7 @@ def build_engine(settings: Settings, model: ModelInfo) -> Engine:
                 gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
                 kv_cache_gb=settings.vllm_kv_cache_gb,
                 enforce_eager=settings.vllm_enforce_eager,
+                adapters=tuple(adapters.items()),
             )
         )
     raise SystemExit(

@@ -184,7 +184,9 @@ class Generation:
         steps: Steps,
     ) -> Action:
         """Step the engine until the choice is over; the action that ended it (applied)."""
-        gen = self.engine.generate(eid, job.prompt_token_ids, params, list(run.asm.token_ids))
+        adapter = job.model if job.model and job.model != self.model.name else None
+        made = list(run.asm.token_ids)
+        gen = self.engine.generate(eid, job.prompt_token_ids, params, made, adapter=adapter)
         async with contextlib.aclosing(gen):
             async for out in gen:
                 steps.output(len(out.token_ids))

@@ -26,9 +26,10 @@ from service.settings import Settings
 from service.store import commit
 from service.store.batcher import AppendBatcher
 from service.store.control import Control
-from service.store.keys import Keys
+from service.store.keys import Keys, model_lane
 from service.store.liveness import Announcer
 from service.store.log import RedisLog, Retention
+from service.store.models import ModelRegistry, parse_lora_modules
 from service.store.pool import survived
 from service.store.queue import Heartbeat, Heartbeats, Job, RequestQueue
 from service.stream.lifecycle import State
@@ -50,7 +51,11 @@ class Runner:
         self.engine = engine
         self.keys = keys = Keys(settings.key_prefix, settings.partitions)
         self.log = RedisLog(redis, keys, Retention.of(settings), commit.of(settings, redis, keys))
-        self.queue = RequestQueue(redis, keys)
+        # the names it serves: its model, then its adapters; it reads their lanes (and the
+        # plain queues of ids without a lane, an earlier version's)
+        self.models = (settings.model_name, *parse_lora_modules(settings.lora_modules))
+        self.registry = ModelRegistry(redis, keys)
+        self.queue = RequestQueue(redis, keys, ["", *(model_lane(m) for m in self.models)])
         self.heartbeats = Heartbeats(redis, keys)
         self.control = Control(redis, keys)
         # held while this process lives: the API processes see it go the moment it dies
@@ -78,13 +83,15 @@ class Runner:
         # engine aborts and jobs given back: the drain waits for them
         self._background: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
-        self._serving: dict[tuple[int, bytes], asyncio.Task[None]] = {}  # entry -> its task
+        # (queue, entry) -> its task
+        self._serving: dict[tuple[str, bytes], asyncio.Task[None]] = {}
 
     def stop(self) -> None:
         self._stopping.set()
 
     async def run(self) -> None:
         await self.queue.ensure_group()
+        await self.registry.declare(self.models[0], list(self.models[1:]))
         self.batcher.start()
         watchers = [*self.watch.tasks(), asyncio.create_task(self._heartbeat(), name="heartbeat")]
         named = asyncio.create_task(self.announcer.run(), name="named-connection")
@@ -134,27 +141,32 @@ class Runner:
                 lost_reply = True
                 await asyncio.sleep(0.5)
             # a pending re-read hands back entries this worker is serving already
-            jobs = [(e, j) for e, j in jobs if (partition, e) not in self._serving]
+            jobs = [
+                (e, j)
+                for e, j in jobs
+                if (self.keys.queue_of(j.request_id), e) not in self._serving
+            ]
             # both queues had jobs: the takeover queue's come first; fresh ones past the
             # slots taken go back, to the front (the takeover queue), for any worker
             jobs, extra = jobs[:taken], jobs[taken:]
             if extra:
-                self._give_back(partition, extra)
+                self._give_back(extra)
             for _ in range(taken - len(jobs)):
                 slots.release()
             for entry_id, job in jobs:
                 prior = [t for t in self._tasks if t.get_name() == job.request_id]
                 task = asyncio.create_task(self.serve(entry_id, job, prior), name=job.request_id)
                 self._tasks.add(task)
-                self._serving[partition, entry_id] = task
+                at = (self.keys.queue_of(job.request_id), entry_id)
+                self._serving[at] = task
                 task.add_done_callback(self._tasks.discard)
-                task.add_done_callback(functools.partial(self._served_entry, (partition, entry_id)))
+                task.add_done_callback(functools.partial(self._served_entry, at))
                 task.add_done_callback(lambda _t: slots.release())
 
-    def _give_back(self, partition: int, jobs: list[tuple[bytes, Job]]) -> None:
+    def _give_back(self, jobs: list[tuple[bytes, Job]]) -> None:
         async def give_back() -> None:
             try:
-                await self.queue.give_back(partition, jobs)
+                await self.queue.give_back(jobs)
             except Exception as exc:  # noqa: BLE001 - left pending: the sweeper's
                 survived("giving jobs back", exc)
 
@@ -162,7 +174,7 @@ class Runner:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _served_entry(self, entry: tuple[int, bytes], _task: asyncio.Task[None]) -> None:
+    def _served_entry(self, entry: tuple[str, bytes], _task: asyncio.Task[None]) -> None:
         self._serving.pop(entry, None)
 
     def decide(self, rid: str, state: State) -> None:
@@ -198,6 +210,7 @@ class Runner:
             int(time.time() * 1000),
             int(self.serve.mean_service_ms),
             frozenset(t.get_name() for t in self._tasks),
+            self.models,
         )
         SLOTS.set(beat.slots)
         RUNNING.set(len(self._tasks))

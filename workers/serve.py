@@ -80,13 +80,13 @@ class Serve:
         self.running: dict[str, Signals] = {}
         self.handing_over = False  # stopping: every running request goes to another worker
         self._forget = forget
-        # queue entries, as (partition, entry id): two partitions' queues make the same ids
-        self._served: collections.OrderedDict[tuple[int, bytes], None] = collections.OrderedDict()
+        # queue entries, as (queue, entry id): two queues make the same ids
+        self._served: collections.OrderedDict[tuple[str, bytes], None] = collections.OrderedDict()
         self.mean_service_ms = 0.0  # moving average of claim-to-end time
 
     async def __call__(self, entry_id: bytes, job: Job, prior: list[asyncio.Task[None]]) -> None:
         rid = job.request_id
-        part = self.log.keys.partition(rid)
+        part = self.log.keys.queue_of(rid)
         if (part, entry_id) in self._served:
             # handed to this worker again after it served it: Redis lost the end (and the
             # ack) in a restart. Never run it twice: end it errored if its end is gone.
@@ -105,11 +105,11 @@ class Serve:
         # Redis away (a restart, a failover) under a step the batcher does not retry (the
         # claim, a continuation's read): the job is served again -- claimed again by this
         # worker, continued from its log -- once Redis answers, until its deadline
-        while not await self._serve_once(entry_id, job, part):
+        while not await self._serve_once(entry_id, job):
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
 
-    async def _serve_once(self, entry_id: bytes, job: Job, part: int) -> bool:
+    async def _serve_once(self, entry_id: bytes, job: Job) -> bool:
         """One try at ``job``: False if Redis could not be reached and it is to be tried
         again (before its deadline)."""
         rid = job.request_id
@@ -117,7 +117,7 @@ class Serve:
         try:
             owner = await self.log.claim(rid, self.settings.worker_id, entry_id)
             if owner is None:  # expired, ended, or queued again (this worker was frozen)
-                await self.queue.ack(part, entry_id)
+                await self.queue.ack(rid, entry_id)
                 return True
             await self._run(entry_id, job, owner)
         except UNREACHABLE as exc:
@@ -136,7 +136,7 @@ class Serve:
             await self._fail(entry_id, job, owner, endings.LOG_GAP)
         except LogError as exc:
             log.warning("request %s: %s", rid, exc)
-            await self.queue.ack(part, entry_id)
+            await self.queue.ack(rid, entry_id)
         except Exception:
             log.exception("request %s failed in the worker", rid)
             await self._fail(entry_id, job, owner, endings.INTERNAL)
@@ -300,7 +300,6 @@ class Serve:
         part of. Tries until Redis answers, up to ``_give_up_at``; then the request is left
         to the sweeper and its TTL."""
         rid = job.request_id
-        part = self.log.keys.partition(rid)
         with contextlib.suppress(Exception):
             await self.generation.abort(rid)
         backoff = 0.1
@@ -309,7 +308,7 @@ class Serve:
                 if owner is None:  # it failed before (or while) taking ownership
                     owner = await self.log.claim(rid, self.settings.worker_id, entry_id)
                     if owner is None:  # ended or expired meanwhile
-                        await self.queue.ack(part, entry_id)
+                        await self.queue.ack(rid, entry_id)
                         return
                 await self.log.fail(
                     rid,
@@ -322,7 +321,7 @@ class Serve:
                 return
             except (Fenced, AlreadyEnded):
                 with contextlib.suppress(RedisError):
-                    await self.queue.ack(part, entry_id)
+                    await self.queue.ack(rid, entry_id)
                 return
             except Exception:
                 if time.time() > self._give_up_at(job):

@@ -30,8 +30,8 @@ class Admission:
         self.limits = limits
         self.heartbeats = heartbeats
         self.settings = settings
-        self._capacity_checked = 0.0
-        self._capacity_error: ServiceUnavailable | None = None
+        # per model: when its capacity was last looked at, and the verdict then
+        self._verdicts: dict[str, tuple[float, ServiceUnavailable | None]] = {}
 
     def _slot_expiry_ms(self, now_ms: int) -> int:
         """An in-flight slot is freed at the end, or at the latest then."""
@@ -71,7 +71,9 @@ class Admission:
             now = int(time.time() * 1000)
             await self.limits.hold(principal, request_id, slot_expiry_ms=self._slot_expiry_ms(now))
 
-    async def check_capacity(self, open_streams: int) -> None:
+    async def check_capacity(self, open_streams: int, model: str) -> None:
+        """This process's stream cap; then whether a live worker serves ``model`` and how
+        long its queue would make the request wait."""
         s = self.settings
         if open_streams >= s.max_streams:
             raise ServiceUnavailable(
@@ -80,18 +82,20 @@ class Admission:
                 code="server_busy",
             )
         now = time.monotonic()
-        if now - self._capacity_checked > 0.5:  # shared by the requests of half a second
-            self._capacity_checked = now
-            self._capacity_error = await self._queue_verdict()
-        if self._capacity_error is not None:
-            raise self._capacity_error
+        checked, verdict = self._verdicts.get(model, (0.0, None))
+        if now - checked > 0.5:  # shared by the requests of half a second
+            verdict = await self._queue_verdict(model)
+            self._verdicts[model] = (now, verdict)
+        if verdict is not None:
+            raise verdict
 
-    async def _queue_verdict(self) -> ServiceUnavailable | None:
+    async def _queue_verdict(self, model: str) -> ServiceUnavailable | None:
         s = self.settings
-        live, depth = await self.heartbeats.live_with_depth(s.worker_stale_s)
+        beats, depth = await self.heartbeats.live_with_depth(s.worker_stale_s, model)
+        live = [b for b in beats if b.serves(model)]
         if not live:
             return ServiceUnavailable(
-                "no worker is available to run the request",
+                f"no worker serving the model '{model[:64]}' is available",
                 # (a worker announces itself every heartbeat: after a Redis that lost its
                 # data, or a worker's start, one is known again that soon)
                 retry_after_s=math.ceil(s.worker_heartbeat_s),
@@ -106,7 +110,7 @@ class Admission:
             return ServiceUnavailable(
                 f"the queue would make this request wait about {expected_wait_s:.0f} s "
                 f"(the limit is {s.max_queue_wait_s:g} s): {int(waiting)} waiting for "
-                f"{int(slots)} worker slots",
+                f"{int(slots)} worker slots of the model '{model[:64]}'",
                 retry_after_s=math.ceil(min(expected_wait_s, 60)),
                 code="overloaded",
             )

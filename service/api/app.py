@@ -23,6 +23,7 @@ from redis.asyncio import Redis
 from service.api import tokens
 from service.api.admission import Admission
 from service.api.auth import Authenticator, Principal
+from service.api.catalog import Catalog
 from service.api.context import Context, Drain
 from service.api.metrics import REJECTED, watch_loop_lag
 from service.api.routes.admin import AdminController
@@ -47,6 +48,7 @@ from service.store.keys import Keys
 from service.store.limits import Limits
 from service.store.liveness import Observer
 from service.store.log import RedisLog, Retention
+from service.store.models import ModelRegistry
 from service.store.pool import UNREACHABLE, connect, warm
 from service.store.presence import Presence
 from service.store.queue import Heartbeats, RequestQueue
@@ -169,7 +171,9 @@ def cors_config(settings: Settings) -> CORSConfig | None:
 
 
 @contextlib.asynccontextmanager
-async def serving(settings: Settings, model: ModelInfo, drain: Drain) -> AsyncIterator[Context]:
+async def serving(
+    settings: Settings, models: dict[str, ModelInfo], drain: Drain
+) -> AsyncIterator[Context]:
     """The process's clients, stores and background tasks, for as long as it serves."""
     if not settings.redis_url:
         raise RuntimeError("LASTEVENT_REDIS_URL is not set (use `lastevent up` for embedded)")
@@ -187,15 +191,42 @@ async def serving(settings: Settings, model: ModelInfo, drain: Drain) -> AsyncIt
     committer = commit.of(settings, redis, keys)
     await commit.started(committer, "api")
     ledger = Ledger(make_engine(settings.database_url)) if settings.database_url else None
-    ctx = _context(settings, model, drain, (redis, tail_redis, committer), ledger)
+    ctx = _context(settings, models, drain, (redis, tail_redis, committer), ledger)
     drain.bind(asyncio.get_running_loop())
     assert drain.future is not None
     drain.future.add_done_callback(lambda _f: ctx.tailer.interrupt())
     await ctx.tailer.start()
     await ctx.presence.start()
-    sweeper = Sweeper(
+    with contextlib.suppress(*UNREACHABLE, ConnectionError):  # (else: at its next refresh)
+        await ctx.catalog.refresh()
+    cataloguing = asyncio.create_task(ctx.catalog.run(), name="catalog")
+    sweeper = _sweeper(settings, redis, ctx)
+    sweeping = asyncio.create_task(sweeper.run(), name="sweeper")
+    lag = asyncio.create_task(watch_loop_lag(), name="event-loop-lag")
+    try:
+        yield ctx
+    finally:
+        for task in (sweeping, lag, cataloguing):
+            task.cancel()
+        await asyncio.gather(sweeping, lag, cataloguing, return_exceptions=True)
+        await ctx.presence.stop()
+        await ctx.tailer.stop()
+        if committer.barriers:
+            log.info("commit barriers sent: %d (%s)", committer.barriers, committer.level)
+        if ledger is not None:
+            await ledger.close()
+        await redis.aclose()
+        await tail_redis.aclose()
+
+
+def _sweeper(settings: Settings, redis: Redis, ctx: Context) -> Sweeper:
+    """Takes a lost worker's jobs over, in every known model's queues."""
+    keys = ctx.log.keys
+    swept = RequestQueue(redis, keys)
+    ctx.catalog.follow(swept)
+    return Sweeper(
         ctx.log,
-        RequestQueue(redis, ctx.log.keys),
+        swept,
         ctx.admission.heartbeats,
         sweeper_id=f"sweeper-{uuid.uuid4().hex[:8]}",
         stale_s=settings.worker_stale_s,
@@ -207,27 +238,11 @@ async def serving(settings: Settings, model: ModelInfo, drain: Drain) -> AsyncIt
         connection_grace_s=settings.worker_connection_grace_s,
         connection_poll_s=settings.worker_connection_poll_s,
     )
-    sweeping = asyncio.create_task(sweeper.run(), name="sweeper")
-    lag = asyncio.create_task(watch_loop_lag(), name="event-loop-lag")
-    try:
-        yield ctx
-    finally:
-        sweeping.cancel()
-        lag.cancel()
-        await asyncio.gather(sweeping, lag, return_exceptions=True)
-        await ctx.presence.stop()
-        await ctx.tailer.stop()
-        if committer.barriers:
-            log.info("commit barriers sent: %d (%s)", committer.barriers, committer.level)
-        if ledger is not None:
-            await ledger.close()
-        await redis.aclose()
-        await tail_redis.aclose()
 
 
 def _context(
     settings: Settings,
-    model: ModelInfo,
+    models: dict[str, ModelInfo],
     drain: Drain,
     stores: tuple[Redis, Redis, Committer],
     ledger: Ledger | None,
@@ -251,7 +266,14 @@ def _context(
         redis=redis,
         log=RedisLog(redis, keys, retention, committer),
         tailer=tailer,
-        model=model,
+        model=models[settings.model_name],
+        catalog=Catalog(
+            models,
+            settings.model_name,
+            ModelRegistry(redis, keys),
+            Heartbeats(redis, keys),
+            settings.worker_stale_s,
+        ),
         ledger=ledger,
         control=control,
         presence=Presence(
@@ -270,7 +292,7 @@ def _context(
 
 
 def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
-    model = ModelInfo.load(settings.resolved_model_dir, settings.model_name)
+    models = {name: ModelInfo.load(path, name) for name, path in settings.model_dirs.items()}
     drain = drain or Drain()
     if settings.auth == "required" and not settings.database_url:
         raise RuntimeError(
@@ -279,7 +301,7 @@ def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        async with serving(settings, model, drain) as ctx:
+        async with serving(settings, models, drain) as ctx:
             app.state.ctx = ctx
             yield
 

@@ -9,6 +9,7 @@ from redis.asyncio import Redis
 
 from service.api.admission import Admission
 from service.api.auth import Authenticator
+from service.api.catalog import Catalog
 from service.api.tokens import StreamTokens
 from service.ledger.audit import Audit
 from service.ledger.ledger import Ledger
@@ -49,7 +50,8 @@ class Context:
     redis: Redis
     log: RedisLog
     tailer: LogTailer
-    model: ModelInfo
+    model: ModelInfo  # the default model (a request without ``model``)
+    catalog: Catalog  # every model this process answers for
     ledger: Ledger | None
     control: Control
     presence: Presence
@@ -60,10 +62,9 @@ class Context:
     audit: Audit | None = None  # the ledger's lookups (None: no Postgres configured)
     _tokens: StreamTokens | None = None
 
-    @property
-    def context_length(self) -> int:
-        """The longest prompt + answer a request may ask for."""
-        return min(self.model.max_model_len, self.settings.max_model_len)
+    def context_length(self, model: ModelInfo | None = None) -> int:
+        """The longest prompt + answer a request of ``model`` (the default) may ask for."""
+        return min((model or self.model).max_model_len, self.settings.max_model_len)
 
     async def stream_tokens(self) -> StreamTokens:
         """The stream-token signer (its secret from the settings, or shared via Redis and

@@ -45,6 +45,7 @@ from service.stream.events import Kind
 from service.stream.ids import Cursor, InvalidEventId
 from service.stream.params import SamplingParams
 from service.stream.tools import ToolFormat
+from service.tokenize import ModelInfo
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 _KEY = re.compile(r"[\x21-\x7e]{1,255}")
@@ -176,34 +177,34 @@ class Submission:
     listed: bool = False  # a stored chat completion (``store: true``)
 
 
-def check_model(ctx: Context, name: str | None, principal: Principal) -> None:
-    """The served model (``None``: whichever it is), and one the key may use."""
-    name = ctx.model.name if name is None else name
-    if name != ctx.model.name:
-        raise InvalidRequest(
-            f"the model '{name}' does not exist; this server serves '{ctx.model.name}'",
-            param="model",
-            code="model_not_found",
-        )
-    if not principal.may_use(name):
+def check_model(ctx: Context, name: str | None, principal: Principal) -> ModelInfo:
+    """A model this process knows (``None``: its default), that the key may use: its
+    tokenizer and template (an adapter's are its base's, under the adapter's name). A
+    model no worker serves now is admission's 503, not this."""
+    model = ctx.catalog.info(name)
+    if not principal.may_use(model.name):
         raise Forbidden(
-            f"this API key may not use the model '{name}'",
+            f"this API key may not use the model '{model.name}'",
             param="model",
             code="model_not_allowed",
         )
+    return model
 
 
-def _checked(ctx: Context, body: ChatCompletionRequest | CompletionRequest, p: Principal) -> None:
-    check_model(ctx, body.model, p)
+def _checked(
+    ctx: Context, body: ChatCompletionRequest | CompletionRequest, p: Principal
+) -> ModelInfo:
+    model = check_model(ctx, body.model, p)
     check_refused(body)
+    return model
 
 
 def chat(ctx: Context, body: ChatCompletionRequest, principal: Principal) -> Submission:
     """``POST /v1/chat/completions``."""
-    _checked(ctx, body, principal)
+    model = _checked(ctx, body, principal)
     if not body.messages:
         raise InvalidRequest("'messages' must not be empty", param="messages")
-    sub = _chat(ctx, body, Kind.CHAT, body.max_completion_tokens or body.max_tokens)
+    sub = _chat(ctx, model, body, Kind.CHAT, body.max_completion_tokens or body.max_tokens)
     return kept_input(ctx, body, principal, sub)
 
 
@@ -228,7 +229,7 @@ def kept_input(
 
 def completion(ctx: Context, body: CompletionRequest, principal: Principal) -> Submission:
     """``POST /v1/completions``: a prompt as text, a list with one text, or token ids."""
-    _checked(ctx, body, principal)
+    model = _checked(ctx, body, principal)
     prompt = body.prompt
     if isinstance(prompt, list) and any(isinstance(p, str) for p in prompt):
         if len(prompt) != 1 or not isinstance(prompt[0], str):
@@ -238,9 +239,9 @@ def completion(ctx: Context, body: CompletionRequest, principal: Principal) -> S
             )
         prompt = prompt[0]
     if isinstance(prompt, str):
-        prompt_ids = ctx.model.encode(prompt)
+        prompt_ids = model.encode(prompt)
     else:
-        vocab = ctx.model.tokenizer.get_vocab_size()
+        vocab = model.tokenizer.get_vocab_size()
         bad = [t for t in prompt if not 0 <= int(t) < vocab]
         if bad:
             raise InvalidRequest(
@@ -250,7 +251,7 @@ def completion(ctx: Context, body: CompletionRequest, principal: Principal) -> S
     if not prompt_ids:
         raise InvalidRequest("the prompt is empty", param="prompt")
     output = completion_output(body)
-    sub = _submission(ctx, body, Kind.TEXT, prompt_ids, body.max_tokens, output)
+    sub = _submission(ctx, model, body, Kind.TEXT, prompt_ids, body.max_tokens, output)
     return kept_input(ctx, body, principal, sub)
 
 
@@ -266,9 +267,10 @@ async def response(ctx: Context, body: ResponsesRequest, principal: Principal) -
         chat_request = msgspec.convert(chat_body(body, items), ChatCompletionRequest)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"invalid input: {exc}", param="input") from None
-    check_model(ctx, chat_request.model, principal)
+    model = check_model(ctx, chat_request.model, principal)
     sub = _chat(
         ctx,
+        model,
         chat_request,
         Kind.RESPONSE,
         body.max_output_tokens,
@@ -286,6 +288,7 @@ async def response(ctx: Context, body: ResponsesRequest, principal: Principal) -
 
 def _chat(
     ctx: Context,
+    model: ModelInfo,
     body: ChatCompletionRequest,
     kind: Kind,
     max_tokens: int | None,
@@ -296,16 +299,17 @@ def _chat(
     """A chat request (a chat completion, or what a response asks for): its output
     resolved and its conversation rendered; ``max_param`` / ``prompt_param``: the
     client's names of the two, in the 400s."""
-    output = chat_output(body, ctx.model, ctx.settings.tool_parser)
+    output = chat_output(body, model, ctx.settings.tool_parser)
     try:
-        text = chat_prompt(ctx.model, body)
+        text = chat_prompt(model, body)
     except Exception as exc:  # noqa: BLE001 - the template rejects the conversation
         raise InvalidRequest(f"invalid {prompt_param}: {exc}", param=prompt_param) from None
     return _submission(
         ctx,
+        model,
         body,
         kind,
-        ctx.model.encode(text),
+        model.encode(text),
         max_tokens,
         output,
         max_param=max_param,
@@ -315,6 +319,7 @@ def _chat(
 
 def _submission(
     ctx: Context,
+    model: ModelInfo,
     body: ChatCompletionRequest | CompletionRequest,
     kind: Kind,
     prompt_ids: list[int],
@@ -342,7 +347,7 @@ def _submission(
         max_tokens,
         len(prompt_ids),
         settings.default_max_tokens,
-        ctx.context_length,
+        ctx.context_length(model),
         param=max_param,
         prompt_param=prompt_param or ("messages" if kind == Kind.CHAT else "prompt"),
     )
@@ -356,7 +361,7 @@ def _submission(
     check_engine(settings.engine, params)
     return Submission(
         kind=kind,
-        model=body.model,
+        model=model.name,
         prompt_token_ids=prompt_ids,
         params=params,
         include_usage=bool(options and options.include_usage),

@@ -9,19 +9,24 @@ import secrets
 
 from service.api.auth import Principal
 from service.errors import NotFound
+from service.store.keys import LANE_MARK, model_lane
 from service.stream.events import Created, Kind
 
 REQUEST_ID_HEADER = "X-Request-Id"  # every answer about a request names it
 
 # what ``new_request_id`` issues, and so all a per-request route may look up
-REQUEST_ID_RE = re.compile(r"(?:chatcmpl|cmpl)-[0-9a-f]{32}|resp_[0-9a-f]{32}")
+# (and the ids of earlier versions, without a lane)
+REQUEST_ID_RE = re.compile(
+    rf"(?:(?:chatcmpl|cmpl)-|resp_)(?:{LANE_MARK}[0-9a-f]{{8}}[0-9a-f]{{24}}|[0-9a-f]{{32}})"
+)
 _PREFIX = {Kind.CHAT: "chatcmpl-", Kind.TEXT: "cmpl-", Kind.RESPONSE: "resp_"}
 _SHOWN_ID_CHARS = 64
 
 
-def new_request_id(kind: Kind) -> str:
-    """Unguessable: 128 random bits."""
-    return _PREFIX[kind] + secrets.token_hex(16)
+def new_request_id(kind: Kind, model: str) -> str:
+    """The lane of the request's model (which queues it waits in: ``store/keys.py``), and
+    96 random bits: unguessable."""
+    return _PREFIX[kind] + LANE_MARK + model_lane(model) + secrets.token_hex(12)
 
 
 def no_such_request(request_id: str) -> NotFound:

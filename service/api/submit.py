@@ -51,7 +51,7 @@ async def accept(
         rid, created, lease = await submit(ctx, sub, principal)
         return Accepted(rid, created, lease, _headers(signer, principal, rid))
     who_ = who(principal.tenant, principal.key_id)
-    rid = new_request_id(sub.kind)
+    rid = new_request_id(sub.kind, sub.model)
     bound = await ctx.idempotency.claim(who_, idempotency.key, rid, idempotency.digest)
     if bound is not None:  # a retry after a lost response, or another request entirely
         return await _again(ctx, principal, bound, idempotency, signer)
@@ -104,8 +104,8 @@ async def submit(
 
     The lease exists before any worker can see the job, so a worker never mistakes a
     request whose client is still connecting for an abandoned one."""
-    rid = request_id or new_request_id(sub.kind)
-    await ctx.admission.check_capacity(len(ctx.presence))
+    rid = request_id or new_request_id(sub.kind, sub.model)
+    await ctx.admission.check_capacity(len(ctx.presence), sub.model)
     await ctx.admission.admit(who(principal.tenant, principal.key_id), rid)
     created = Created(
         kind=str(sub.kind),
@@ -133,6 +133,7 @@ async def submit(
         deadline_unix_s=time.time() + settings.request_deadline_s,
         n=sub.n,
         tools=sub.tools,
+        model=sub.model,
     )
     # the log, the caller's reader lease and the job: one script, one round trip (each
     # await is a turn of a busy event loop: five of them made a burst of starts slow)

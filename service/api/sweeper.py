@@ -196,19 +196,18 @@ class Sweeper:
             for p in await self.queue.pending(part, consumer)
             if p.idle_ms >= idle_ms and (p.job is None or p.job.request_id not in served)
         ]
-        entries = [p.entry_id for p in orphans]
-        taken = set(await self.queue.take(part, entries, self.sweeper_id, idle_ms))
+        taken = await self.queue.take(orphans, self.sweeper_id, idle_ms)
         for p in orphans:
-            if p.entry_id not in taken:
+            if (p.stream, p.entry_id) not in taken:
                 continue  # another sweeper took it, or the worker acted meanwhile
             if p.job is None:
-                await self.queue.ack(part, p.entry_id)
+                await self.queue.ack_pending(p)
             else:
-                await self._requeue(part, p.entry_id, p.job, consumer, how)
+                await self._requeue(p.entry_id, p.job, consumer, how)
             swept += 1
         return swept
 
-    async def _requeue(self, part: int, entry_id: bytes, job: Job, worker: str, how: str) -> None:
+    async def _requeue(self, entry_id: bytes, job: Job, worker: str, how: str) -> None:
         rid = job.request_id
         done = await self.queue.requeue(
             rid,
@@ -232,7 +231,7 @@ class Sweeper:
                 f"workers were lost {times} times (at most {self.max_takeovers} takeovers)",
             )
         # else: it ended, or waits behind another entry: this one is stale
-        await self.queue.ack(part, entry_id)
+        await self.queue.ack(rid, entry_id)
 
     async def end_unclaimed(self) -> int:
         """End the requests queued again for a takeover that no worker took in time."""

@@ -1,8 +1,9 @@
 """``lastevent up`` (what ``make run`` runs): everything on one machine.
 
 Servers (embedded unless URLs are set), migrations, the development key, the model,
-then the API and one worker as child processes. The banner is printed once the API
-answers and a worker has sent its first heartbeat. Ctrl-C stops all of it.
+then the API and one worker as child processes (and one more worker for each model in
+``LASTEVENT_MODELS``). The banner is printed once the API answers and a worker of each
+model has sent its first heartbeat. Ctrl-C stops all of it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def up(settings: Settings) -> None:
             prepare_model(settings.resolved_model_dir)
         env = {**os.environ, **settings.to_env()}
         children = [_spawn("api", env), _spawn("worker", env)]
+        children += [_spawn("worker", e) for e in _more_workers(settings, env)]
         if _wait_until_serving(settings, children):
             print(f"lastevent serving on http://{settings.host}:{settings.port}  (Ctrl-C stops)")
             if dev_key:
@@ -78,19 +80,44 @@ def ensure_dev_key(settings: Settings, *, operator: bool = False) -> str:
     return key
 
 
+def _more_workers(settings: Settings, env: dict[str, str]) -> list[dict[str, str]]:
+    """A worker's environment for each model of ``LASTEVENT_MODELS``: that model, from
+    its directory (a Hugging Face model directory: its tokenizer and weights), its own
+    worker id and metrics port, and no adapters (they are the first model's)."""
+    out = []
+    for i, (name, path) in enumerate(list(settings.model_dirs.items())[1:], start=1):
+        if not (path / "tokenizer.json").is_file():
+            raise SystemExit(f"LASTEVENT_MODELS: {name}: no tokenizer.json in {path}")
+        port = settings.metrics_port + i if settings.metrics_port else 0
+        out.append(
+            {
+                **env,
+                "LASTEVENT_MODEL_NAME": name,
+                "LASTEVENT_MODEL_DIR": str(path),
+                "LASTEVENT_WORKER_ID": f"{settings.worker_id}-{i}",
+                "LASTEVENT_METRICS_PORT": str(port),
+                "LASTEVENT_LORA_MODULES": "",
+            }
+        )
+    return out
+
+
 def _spawn(role: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "service.cli", role], env=env)
 
 
 def _wait_until_serving(settings: Settings, children: list[subprocess.Popen[bytes]]) -> bool:
-    """True once a worker has sent its first heartbeat and the API answers ``/readyz``;
-    False if a child exited (``_supervise`` reports it and stops the rest) or 5 min passed."""
+    """True once a worker of each model has sent its first heartbeat and the API answers
+    ``/readyz``; False if a child exited (``_supervise`` reports it and stops the rest) or
+    5 min passed."""
     deadline = time.monotonic() + 300
 
-    async def workers() -> int:
+    async def workers() -> bool:
         redis = connect(settings.redis_url or "", max_connections=1, cluster=settings.redis_cluster)
         try:
-            return await Heartbeats(redis, Keys(settings.key_prefix, settings.partitions)).count()
+            beats = Heartbeats(redis, Keys(settings.key_prefix, settings.partitions))
+            served = {m for b in await beats.live(settings.worker_stale_s) for m in b.models}
+            return served >= set(settings.model_dirs)
         finally:
             await redis.aclose()
 

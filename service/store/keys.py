@@ -13,12 +13,20 @@ a tag of their own (``admit.lua`` touches both). Units are in the names.
 
 The partition count must be the same in every process of a deployment, and changed
 only with no request in flight (a request's keys are found by its partition).
+
+Each model (a base model or an adapter, by the name requests give) has a queue of its own
+in every partition, named by its *lane* (``model_lane``: 8 hex digits of a hash of the
+name), and a request id carries its model's lane (``lane_of``), so that every process
+finds a request's queue from its id alone, as it finds its partition. Only workers that
+serve a model read its lanes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import re
 import zlib
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
@@ -39,6 +47,24 @@ TAKEOVER_ENTRY = b"t:"
 
 
 MAX_PARTITIONS = 1024
+
+LANE_MARK = "m"  # a request id whose body starts with it carries a lane: m<lane><random>
+LANE_DIGITS = 8
+_LANED = re.compile(rf"(?:chatcmpl-|cmpl-|resp_){LANE_MARK}([0-9a-f]{{{LANE_DIGITS}}})")
+
+
+@functools.cache
+def model_lane(model: str) -> str:
+    """A model's lane: the part of its queues' names (and of its requests' ids) that is
+    the model's; the same in every process."""
+    return hashlib.blake2b(model.encode(), digest_size=LANE_DIGITS // 2).hexdigest()
+
+
+def lane_of(request_id: str) -> str:
+    """The lane a request id carries ('' for an id without one: its queue is the
+    partition's plain one)."""
+    found = _LANED.match(request_id)
+    return found.group(1) if found else ""
 
 
 @functools.cache
@@ -87,21 +113,22 @@ class Keys:
     def _r(self, request_id: str) -> str:
         return f"{self._p(self.partition(request_id))}:r:{request_id}"
 
-    def queue(self, partition: int) -> str:
-        """A partition's request queue (a stream; consumer group ``workers``)."""
-        return f"{self._p(partition)}:queue"
+    def queue(self, partition: int, lane: str = "") -> str:
+        """A partition's request queue of one lane (a stream; consumer group ``workers``)."""
+        return f"{self._p(partition)}:queue" + (f":{lane}" if lane else "")
 
     def queue_of(self, request_id: str) -> str:
-        return self.queue(self.partition(request_id))
+        return self.queue(self.partition(request_id), lane_of(request_id))
 
-    def queues(self, partition: int) -> tuple[str, str]:
-        """A partition's takeover queue and its queue, in the order workers read them."""
-        return self.takeovers(partition), self.queue(partition)
+    def queues(self, partition: int, lane: str = "") -> tuple[str, str]:
+        """A partition's takeover queue and its queue of one lane, in the order workers
+        read them."""
+        return self.takeovers(partition, lane), self.queue(partition, lane)
 
-    def takeovers(self, partition: int) -> str:
-        """A partition's takeover queue (a stream; the same group): continuations and jobs
-        queued again, which workers read before the partition's queue."""
-        return f"{self.queue(partition)}{TAKEOVERS_SUFFIX}"
+    def takeovers(self, partition: int, lane: str = "") -> str:
+        """A partition's takeover queue of one lane (a stream; the same group):
+        continuations and jobs queued again, read before the lane's queue."""
+        return f"{self.queue(partition, lane)}{TAKEOVERS_SUFFIX}"
 
     def log(self, request_id: str) -> str:
         """The request's event log (a stream)."""
@@ -173,8 +200,14 @@ class Keys:
 
     @property
     def workers(self) -> str:
-        """Worker heartbeats: worker id -> "<slots> <busy> <unix ms> <mean service ms>"."""
+        """Worker heartbeats: worker id -> its ``Heartbeat`` (``queue.py``)."""
         return f"{self.prefix}:workers"
+
+    @property
+    def models(self) -> str:
+        """Every model a worker ever declared: name -> JSON (its base for an adapter, who
+        owns it, when first seen). Which of them are served now, the heartbeats say."""
+        return f"{self.prefix}:models"
 
     def alive(self, worker_id: str) -> str:
         """The sharded pub/sub channel a worker's named connection subscribes to while it

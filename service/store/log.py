@@ -222,14 +222,15 @@ class RedisLog(LogReader):
         return result
 
     async def append_many(self, items: Sequence[Append]) -> list[list[EventId] | LogError]:
-        """All of ``items``, one script call per partition they are in (one round trip:
+        """All of ``items``, one script call per queue (partition and lane) they are in (one
+        round trip:
         the calls go out together), each gets its entry ids, or ``Fenced`` /
         ``AlreadyEnded`` / ``LogGap`` (that one is not written). Connection errors raise
         for all; the same items sent again are not written twice where they carry
         ``expect``. The admission slots of the requests that end are freed first."""
-        by_partition: dict[int, list[int]] = {}
+        by_queue: dict[str, list[int]] = {}
         for i, item in enumerate(items):
-            by_partition.setdefault(self.keys.partition(item.request_id), []).append(i)
+            by_queue.setdefault(self.keys.queue_of(item.request_id), []).append(i)
         # The ending requests' admission slots are freed before their ends are written: a
         # client that saw its answer end may send the next one at once. (Sent beside the
         # script calls, the ZREM -- another slot, on a cluster another node -- could still
@@ -245,18 +246,19 @@ class RedisLog(LogReader):
         if ended:
             await free_slots(self.redis, ended)
         replies_ = await asyncio.gather(
-            *(self._append_partition(p, [items[i] for i in at]) for p, at in by_partition.items())
+            *(self._append_queue(q, [items[i] for i in at]) for q, at in by_queue.items())
         )
         out: list[list[EventId] | LogError] = [LogError("unsent")] * len(items)
-        for at, results in zip(by_partition.values(), replies_, strict=True):
+        for at, results in zip(by_queue.values(), replies_, strict=True):
             for i, result in zip(at, results, strict=True):
                 out[i] = result
         return out
 
-    async def _append_partition(
-        self, partition: int, items: Sequence[Append]
+    async def _append_queue(
+        self, queue: str, items: Sequence[Append]
     ) -> list[list[EventId] | LogError]:
-        keys: list[str] = [self.keys.outbox(partition), self.keys.queue(partition)]
+        partition = self.keys.partition(items[0].request_id)
+        keys: list[str] = [self.keys.outbox(partition), queue]
         args: list[bytes | str | int] = []
         for item in items:
             rid = item.request_id

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -18,7 +18,14 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from service.store import groups, replies, scripts
-from service.store.keys import JOB_FIELD, QUEUE_GROUP, TAKEOVER_ENTRY, TAKEOVERS_SUFFIX, Keys
+from service.store.keys import (
+    JOB_FIELD,
+    QUEUE_GROUP,
+    TAKEOVER_ENTRY,
+    TAKEOVERS_SUFFIX,
+    Keys,
+    model_lane,
+)
 from service.stream.lifecycle import Requeue
 from service.stream.params import SamplingParams
 from service.stream.tools import ToolFormat
@@ -31,6 +38,7 @@ class Job(msgspec.Struct, array_like=True, gc=False):
     deadline_unix_s: float = 0.0  # 0: none
     n: int = 1  # choices, each its own engine request (choice i's seed: seed + i)
     tools: ToolFormat | None = None  # how tool calls are parsed out of the output
+    model: str = ""  # the model the request asked for (a base model, or an adapter)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -42,20 +50,51 @@ class Heartbeat:
     unix_ms: int
     mean_service_ms: int
     running: frozenset[str] = frozenset()  # the request ids it serves (the sweeper looks)
+    models: tuple[str, ...] = ()  # the names it serves: its base model, then its adapters
 
-    def encode(self) -> str:
-        ids = ",".join(sorted(self.running))
-        return f"{self.slots} {self.busy} {self.unix_ms} {self.mean_service_ms} {ids}".rstrip()
+    def encode(self) -> bytes:
+        return _beat_enc.encode(
+            _Beat(
+                self.slots,
+                self.busy,
+                self.unix_ms,
+                self.mean_service_ms,
+                sorted(self.running),
+                list(self.models),
+            )
+        )
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Heartbeat:
-        parts = replies.text(raw).split()
+        data = raw.encode() if isinstance(raw, str) else raw
+        if data.startswith(b"["):
+            b = _beat_dec.decode(data)
+            running = frozenset(b.running)
+            return cls(b.slots, b.busy, b.unix_ms, b.mean_service_ms, running, tuple(b.models))
+        # an earlier version's: "<slots> <busy> <unix ms> <mean ms> [id,id,...]"
+        parts = replies.text(data).split()
         slots, busy, unix_ms, mean = (int(float(x)) for x in parts[:4])
         running = frozenset(parts[4].split(",")) if len(parts) > 4 else frozenset()
         return cls(slots, busy, unix_ms, mean, running)
 
+    def serves(self, model: str) -> bool:
+        return model in self.models
+
     def fresh(self, now_ms: float, stale_s: float) -> bool:
         return now_ms - self.unix_ms <= stale_s * 1000
+
+
+class _Beat(msgspec.Struct, array_like=True):
+    slots: int
+    busy: int
+    unix_ms: int
+    mean_service_ms: int
+    running: list[str]
+    models: list[str]
+
+
+_beat_enc = msgspec.json.Encoder()
+_beat_dec = msgspec.json.Decoder(_Beat)
 
 
 def wait_for_takeover(job: Job, wait_s: float, default_deadline_s: float) -> float:
@@ -93,15 +132,19 @@ class Pending:
     entry_id: bytes
     idle_ms: int
     job: Job | None
+    stream: str  # the queue it is in
 
 
 class RequestQueue:
-    """The partitions' queues: a job goes to its request's partition; a worker reads each
-    partition (``read``), the sweeper looks at each (``partition`` arguments)."""
+    """The partitions' queues of some lanes (models): a job goes to its request's
+    partition and lane; a worker reads each partition's queues of the lanes it serves
+    (``read``), the sweeper looks at every lane's (``lanes``, which its owner keeps up to
+    date). An entry is found again from its request id (which names its queue)."""
 
-    def __init__(self, redis: Redis, keys: Keys) -> None:
+    def __init__(self, redis: Redis, keys: Keys, lanes: Iterable[str] = ("",)) -> None:
         self.redis = redis
         self.keys = keys
+        self.lanes = tuple(lanes)
         self._requeue = scripts.register(redis, "requeue")
 
     async def ensure_group(self) -> None:
@@ -109,15 +152,18 @@ class RequestQueue:
             for stream in self.streams(p):
                 await groups.ensure(self.redis, stream, QUEUE_GROUP)
 
-    def streams(self, partition: int) -> tuple[str, str]:
-        """A partition's takeover queue and its queue, in the order workers read them."""
-        return self.keys.queues(partition)
+    def streams(self, partition: int) -> list[str]:
+        """A partition's takeover queues and its queues of every lane, in the order workers
+        read them (every takeover queue before any fresh work)."""
+        pairs = [self.keys.queues(partition, lane) for lane in self.lanes]
+        return [t for t, _ in pairs] + [q for _, q in pairs]
 
-    def _located(self, partition: int, entry_id: bytes) -> tuple[str, bytes]:
-        """The stream an entry is in, and its id there."""
+    def _located(self, request_id: str, entry_id: bytes) -> tuple[str, bytes]:
+        """The stream a request's entry is in, and its id there."""
+        queue = self.keys.queue_of(request_id)
         if entry_id.startswith(TAKEOVER_ENTRY):
-            return self.keys.takeovers(partition), entry_id[len(TAKEOVER_ENTRY) :]
-        return self.keys.queue(partition), entry_id
+            return f"{queue}{TAKEOVERS_SUFFIX}", entry_id[len(TAKEOVER_ENTRY) :]
+        return queue, entry_id
 
     def _named(self, stream: str, entry_id: Any) -> bytes:
         raw = entry_id if isinstance(entry_id, bytes) else replies.text(entry_id).encode()
@@ -155,15 +201,21 @@ class RequestQueue:
             if fields  # a pending entry trimmed meanwhile has no fields
         ]
 
-    async def ack(self, partition: int, entry_id: bytes) -> None:
-        queue, raw = self._located(partition, entry_id)
+    async def ack(self, request_id: str, entry_id: bytes) -> None:
+        await self.ack_in(*self._located(request_id, entry_id))
+
+    async def ack_pending(self, pending: Pending) -> None:
+        await self.ack_in(pending.stream, pending.entry_id.removeprefix(TAKEOVER_ENTRY))
+
+    async def ack_in(self, queue: str, raw: bytes) -> None:
+        """Acknowledge and delete an entry of a stream (by its id there)."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.xack(queue, QUEUE_GROUP, raw)
         pipe.xdel(queue, raw)
         await pipe.execute()
 
     async def depth(self) -> int:
-        """Jobs queued in all partitions (both queues)."""
+        """Jobs queued in all partitions (both queues of every lane)."""
         pipe = self.redis.pipeline(transaction=False)
         for p in self.keys.all_partitions:
             for stream in self.streams(p):
@@ -204,19 +256,20 @@ class RequestQueue:
                 fields = entries[0][1] if entries else None
                 job = decode_job(fields[JOB_FIELD]) if fields else None
                 entry = self._named(stream, p["message_id"])
-                out.append(Pending(entry, int(p["time_since_delivered"]), job))
+                out.append(Pending(entry, int(p["time_since_delivered"]), job, stream))
         return out
 
     async def take(
-        self, partition: int, entry_ids: list[bytes], claimant: str, min_idle_ms: int
-    ) -> list[bytes]:
+        self, pending: list[Pending], claimant: str, min_idle_ms: int
+    ) -> set[tuple[str, bytes]]:
         """Move pending entries to ``claimant`` (only those idle at least ``min_idle_ms``,
-        so that of several sweepers one wins); returns the ones it got."""
+        so that of several sweepers one wins); returns the ones it got, as (stream,
+        entry)."""
         by_stream: dict[str, list[bytes]] = {}
-        for entry in entry_ids:
-            stream, raw = self._located(partition, entry)
-            by_stream.setdefault(stream, []).append(raw)
-        got = []
+        for p in pending:
+            raw = p.entry_id.removeprefix(TAKEOVER_ENTRY)
+            by_stream.setdefault(p.stream, []).append(raw)
+        got = set()
         for stream, ids in by_stream.items():
             claimed: Any = await self.redis.xclaim(
                 stream,
@@ -226,7 +279,7 @@ class RequestQueue:
                 message_ids=list[Any](ids),
                 justid=True,
             )
-            got += [self._named(stream, c) for c in claimed]
+            got |= {(stream, self._named(stream, c)) for c in claimed}
         return got
 
     async def requeue(
@@ -267,14 +320,14 @@ class RequestQueue:
             return Requeued(None, replies.integer(raw[1]))
         return Requeued(replies.text(raw[1]).encode(), None)
 
-    async def give_back(self, partition: int, jobs: list[tuple[bytes, Job]]) -> None:
+    async def give_back(self, jobs: list[tuple[bytes, Job]]) -> None:
         """Fresh jobs a read handed this consumer beyond its free slots: queued again in
         the takeover queue (ahead of fresh work, for any worker); one that ended meanwhile
         (a cancel) is acknowledged instead."""
         for entry_id, job in jobs:
             done = await self.requeue(job.request_id, entry_id, Requeue.LOST)
             if done.entry_id is None:
-                await self.ack(partition, entry_id)
+                await self.ack(job.request_id, entry_id)
 
     async def orphans_due(self, now_ms: int, count: int = 100) -> list[str]:
         """Started requests queued again whose wait for a worker is over (all partitions)."""
@@ -323,12 +376,19 @@ class Heartbeats:
         beat = await self.get(worker_id)
         return beat is not None and beat.fresh(time.time() * 1000, stale_s)
 
-    async def live_with_depth(self, stale_s: float) -> tuple[list[Heartbeat], int]:
-        """The fresh heartbeats and the queue's length, in one round trip (admission)."""
+    async def live(self, stale_s: float) -> list[Heartbeat]:
+        """The fresh heartbeats."""
+        now_ms = time.time() * 1000
+        beats = (await self.redis.hgetall(self.keys.workers)).values()
+        return [b for b in map(Heartbeat.decode, beats) if b.fresh(now_ms, stale_s)]
+
+    async def live_with_depth(self, stale_s: float, model: str) -> tuple[list[Heartbeat], int]:
+        """The fresh heartbeats and the length of ``model``'s queues, in one round trip
+        (admission)."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.hgetall(self.keys.workers)
         for p in self.keys.all_partitions:
-            for stream in self.keys.queues(p):
+            for stream in self.keys.queues(p, model_lane(model)):
                 pipe.xlen(stream)
         beats, *depths = await pipe.execute()
         now_ms = time.time() * 1000

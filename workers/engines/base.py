@@ -68,6 +68,8 @@ class Engine(Protocol):
         prompt_token_ids: list[int],
         params: SamplingParams,
         generated: Sequence[int] = (),
+        *,
+        adapter: str | None = None,  # a LoRA adapter the worker serves (None: the base)
     ) -> AsyncGenerator[StepOutput, None]: ...
 
     async def abort(self, request_id: str) -> None: ...

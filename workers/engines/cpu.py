@@ -149,9 +149,13 @@ class CpuEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         generated: Sequence[int] = (),
+        *,
+        adapter: str | None = None,
     ) -> AsyncGenerator[StepOutput, None]:
         """Yield one ``StepOutput`` per generated token; the last one has ``finished``."""
         scheduler = self._scheduler
+        if adapter is not None:  # (the worker refuses adapters at its start)
+            raise EngineError("the cpu engine serves no adapters", "model_not_found")
         if self._model is None or scheduler is None:
             raise EngineError("cpu engine is not started", "engine_not_ready")
         if request_id in self._active:

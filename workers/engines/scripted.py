@@ -52,8 +52,10 @@ class ScriptedEngine:
         stall_after: int | None = None,
         prefill_s: float = 0.0,
         crash_after: int | None = None,
+        adapters: Sequence[str] = (),
     ) -> None:
         self._model = model
+        self._adapters = frozenset(adapters)  # an adapter's answer starts with "[name] "
         self._interval_s = 1.0 / tokens_per_s if tokens_per_s > 0 else 0.0
         self._fixed = None if text is None else model.encode(text)
         self._filler = model.encode(".")  # repeated for min_tokens when the script is empty
@@ -90,8 +92,14 @@ class ScriptedEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         generated: Sequence[int] = (),
+        *,
+        adapter: str | None = None,
     ) -> AsyncGenerator[StepOutput, None]:
         script = self.script_for(prompt_token_ids)
+        if adapter is not None:
+            if adapter not in self._adapters:
+                raise EngineError(f"no adapter {adapter!r} here", "model_not_found")
+            script = self._model.encode(f"[{adapter}] ") + script
         self.running.add(request_id)
         self._abort_events[request_id] = aborted = asyncio.Event()
         try:

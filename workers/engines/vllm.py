@@ -61,6 +61,8 @@ class VllmConfig:
     kv_cache_gb: float | None = None  # CPU build: VLLM_CPU_KVCACHE_SPACE
     enforce_eager: bool = False  # True on CPU: torch.compile takes minutes there
     seed: int = 0
+    adapters: tuple[tuple[str, str], ...] = ()  # LoRA adapters: (name, path), vLLM's --lora-modules
+    max_lora_rank: int = 16
 
 
 class VllmEngine:
@@ -89,12 +91,33 @@ class VllmEngine:
             enforce_eager=c.enforce_eager,
             seed=c.seed,
             disable_log_stats=True,
+            **self._lora_args(),
         )
         vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
         self._continues = not vllm_config.use_v2_model_runner
         if self._continues:
             vllm_config.model_config.logits_processors = [CONTINUATION_PROCESSOR]
         self._llm = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=True)
+
+    def _lora_args(self) -> dict[str, Any]:
+        if not self.config.adapters:
+            return {}
+        return {
+            "enable_lora": True,
+            "max_loras": len(self.config.adapters),
+            "max_lora_rank": self.config.max_lora_rank,
+        }
+
+    def _lora(self, adapter: str | None) -> Any:
+        """vLLM's ``LoRARequest`` of an adapter (ids from 1, in the order they were named)."""
+        if adapter is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        for i, (name, path) in enumerate(self.config.adapters, start=1):
+            if name == adapter:
+                return LoRARequest(name, i, path)
+        raise EngineError(f"no adapter {adapter!r} here", "model_not_found")
 
     async def close(self) -> None:
         if self._llm is not None:
@@ -111,6 +134,8 @@ class VllmEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         generated: Sequence[int] = (),
+        *,
+        adapter: str | None = None,
     ) -> AsyncGenerator[StepOutput, None]:
         from vllm.inputs import TokensPrompt
 
@@ -123,8 +148,11 @@ class VllmEngine:
         sampling = self._sampling(params, generated, left)
         # a takeover: vLLM prefills the prompt and the ids made elsewhere, and continues
         prompt = TokensPrompt(prompt_token_ids=[*prompt_token_ids, *generated])
+        lora = self._lora(adapter)
         try:
-            async for out in self._llm.generate(prompt, sampling, request_id=request_id):
+            async for out in self._llm.generate(
+                prompt, sampling, request_id=request_id, lora_request=lora
+            ):
                 completion = out.outputs[0]
                 reason = None
                 if out.finished:

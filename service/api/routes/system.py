@@ -12,33 +12,46 @@ from litestar import Controller, MediaType, Response, get
 from litestar.openapi.datastructures import ResponseSpec
 
 from service.api.auth import Principal
+from service.api.catalog import unknown_model
 from service.api.context import Context
 from service.api.schemas import ErrorResponse, error_responses
-from service.errors import NotFound
 from service.store import commit, pool
+from service.store.models import Declared
 
 _STARTED = int(time.time())
 VERSION = importlib.metadata.version("lastevent")
 
 
-def model_object(ctx: Context) -> dict[str, Any]:
+def model_object(ctx: Context, name: str, declared: Declared) -> dict[str, Any]:
+    """vLLM's model object: an adapter names its base model as ``parent``."""
+    info = ctx.catalog.info(name)
     return {
-        "id": ctx.model.name,
+        "id": name,
         "object": "model",
-        "created": _STARTED,
-        "owned_by": "lastevent",
-        "max_model_len": ctx.context_length,
+        "created": declared.created or _STARTED,
+        "owned_by": declared.owned_by,
+        "root": declared.parent or name,
+        "parent": declared.parent,
+        "max_model_len": ctx.context_length(info),
     }
 
 
 class SystemController(Controller):
     tags = ("system",)
 
-    @get("/v1/models", summary="The served model", responses=error_responses(401))
+    @get(
+        "/v1/models",
+        summary="The models and adapters a live worker serves",
+        responses=error_responses(401),
+    )
     async def models(self, ctx: Context, principal: Principal) -> dict[str, Any]:
-        """Behind an API key like every /v1 route (a key limited to other models sees
-        none)."""
-        served = [model_object(ctx)] if principal.may_use(ctx.model.name) else []
+        """Behind an API key like every /v1 route (a key limited to some models sees only
+        those)."""
+        served = [
+            model_object(ctx, name, declared)
+            for name, declared in ctx.catalog.listed()
+            if principal.may_use(name)
+        ]
         return {"object": "list", "data": served}
 
     @get(
@@ -48,7 +61,8 @@ class SystemController(Controller):
             **error_responses(401),
             404: ResponseSpec(
                 data_container=ErrorResponse,
-                description="No such model, or the key may not use it (code model_not_found)",
+                description="No such model served now, or the key may not use it "
+                "(code model_not_found)",
             ),
         },
     )
@@ -56,12 +70,10 @@ class SystemController(Controller):
         """A model the key may not use answers as one that does not exist. The id may hold
         slashes (vLLM serves ``org/name`` ids)."""
         model_id = model_id.removeprefix("/")  # a path parameter starts with its slash
-        if model_id != ctx.model.name or not principal.may_use(model_id):
-            shown = model_id[:64] + ("..." if len(model_id) > 64 else "")
-            raise NotFound(
-                f"the model '{shown}' does not exist", param="model", code="model_not_found"
-            )
-        return model_object(ctx)
+        for name, declared in ctx.catalog.listed():
+            if name == model_id and principal.may_use(name):
+                return model_object(ctx, name, declared)
+        raise unknown_model(model_id)
 
     @get("/healthz", summary="The process is up")
     async def healthz(self) -> dict[str, str]:

@@ -99,13 +99,13 @@ class VllmCompatController(Controller):
     async def tokenize(
         self, ctx: Context, principal: Principal, data: TokenizeRequest
     ) -> TokenizeResponse:
-        check_model(ctx, data.model, principal)
-        ids = token_ids(ctx.model, data)
+        model = check_model(ctx, data.model, principal)
+        ids = token_ids(model, data)
         strs = None
         if data.return_token_strs:
-            strs = [ctx.model.tokenizer.id_to_token(i) or "" for i in ids]
+            strs = [model.tokenizer.id_to_token(i) or "" for i in ids]
         return TokenizeResponse(
-            count=len(ids), max_model_len=ctx.context_length, tokens=ids, token_strs=strs
+            count=len(ids), max_model_len=ctx.context_length(model), tokens=ids, token_strs=strs
         )
 
     @post(
@@ -118,11 +118,11 @@ class VllmCompatController(Controller):
         self, ctx: Context, principal: Principal, data: DetokenizeRequest
     ) -> DetokenizeResponse:
         """Special tokens are kept (vLLM's: the text of exactly these ids)."""
-        check_model(ctx, data.model, principal)
-        vocab = ctx.model.tokenizer.get_vocab_size()
+        model = check_model(ctx, data.model, principal)
+        vocab = model.tokenizer.get_vocab_size()
         bad = [t for t in data.tokens if t >= vocab]
         if bad:
             raise InvalidRequest(
                 f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="tokens"
             )
-        return DetokenizeResponse(prompt=ctx.model.decode(data.tokens, skip_special_tokens=False))
+        return DetokenizeResponse(prompt=model.decode(data.tokens, skip_special_tokens=False))

@@ -2,8 +2,8 @@
 -- engine step of every request it runs). For each request, XADD its events only if the
 -- caller still owns it and the log is where the caller thinks it is; the terminal event
 -- and its outbox entry go together or not at all.
--- All the requests of one call are in one partition (one cluster slot).
--- KEYS[1] the partition's outbox, KEYS[2] its queue; then per request: meta, log, readers (dropped at the
+-- All the requests of one call are in one partition (one cluster slot) and one lane.
+-- KEYS[1] the partition's outbox, KEYS[2] the lane's queue; then per request: meta, log, readers (dropped at the
 -- terminal event), scratch (the finished log is copied there and renamed back: see below),
 -- tails (the tail shards to notify: the prelude's notify; dropped at the terminal event).
 -- (The caller frees the request's admission slot after a terminal event: another slot.)
