@@ -151,7 +151,7 @@ class Generation:
         except ResumeMismatch as exc:
             return endings.failed_choice(index, Failure("resume_failed", str(exc)), 0)
         eid = engine_id(job.request_id, index)
-        steps = Steps()
+        steps = Steps(job.model or self.model.name)
         budget = job.deadline_unix_s - time.time() if job.deadline_unix_s else None
         stop: Action | None = None
         try:

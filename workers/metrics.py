@@ -56,32 +56,38 @@ REPREFILL_TOKENS = Counter(
     "Tokens prefilled again to continue requests (prompt + the completion in the log)",
 )
 PROMPT_TOKENS = Counter(
-    "lastevent_prompt_tokens_total", "Prompt tokens of the requests this worker started"
+    "lastevent_prompt_tokens_total",
+    "Prompt tokens of the requests this worker started (model: the one asked for)",
+    ["model"],
 )
 COMPLETION_TOKENS = Counter(
     "lastevent_completion_tokens_total",
     "Tokens the engine generated in this worker (those made after an abort decision too)",
+    ["model"],
 )
 TIME_TO_FIRST_TOKEN = Histogram(
     "lastevent_time_to_first_token_seconds",
     "The worker's claim to the engine's first token of the request (any of its choices)",
+    ["model"],
     buckets=_LATENCY,
 )
 INTER_TOKEN_LATENCY = Histogram(
     "lastevent_inter_token_latency_seconds",
     "Per engine output after a choice's first token: the time since its previous output "
     "divided by the output's tokens (engines emit one token per step: per token)",
+    ["model"],
     buckets=_STEP,
 )
 QUEUE_WAIT = Histogram(
     "lastevent_queue_wait_seconds",
     "The request's Created event to the worker's claim",
+    ["model"],
     buckets=_WAIT,
 )
 REQUEST_DURATION = Histogram(
     "lastevent_request_duration_seconds",
     "The worker's claim to the request's terminal event appended, by its end state",
-    ["state"],
+    ["state", "model"],
     buckets=_DURATION,
 )
 ENGINE_STEP = Histogram(
@@ -96,8 +102,12 @@ APPEND_WAIT = Histogram(
     "and its Redis round trip)",
     buckets=_STEP,
 )
-RUNNING = Gauge("lastevent_running_requests", "Requests this worker holds (its busy slots)")
-SLOTS = Gauge("lastevent_worker_slots", "Requests this worker takes at once (0: stopping)")
+RUNNING = Gauge(
+    "lastevent_running_requests", "Requests this worker holds (its busy slots)", ["model"]
+)
+SLOTS = Gauge(
+    "lastevent_worker_slots", "Requests this worker takes at once (0: stopping)", ["model"]
+)
 
 RECORDED = Counter(
     "lastevent_recorded_total",
@@ -139,17 +149,18 @@ class FirstToken:
     ``at`` (unix s, for its billing row), and its time to first token, observed once.
     ``since``: the claim (unix s); None: not observed (a continued request)."""
 
-    __slots__ = ("at", "since")
+    __slots__ = ("_ttft", "at", "since")
 
-    def __init__(self, since: float | None) -> None:
+    def __init__(self, since: float | None, model: str) -> None:
         self.since = since
         self.at: float | None = None
+        self._ttft = TIME_TO_FIRST_TOKEN.labels(model=model)
 
     def seen(self, at: float) -> None:
         if self.at is None:
             self.at = at
         if self.since is not None:
-            TIME_TO_FIRST_TOKEN.observe(max(0.0, at - self.since))
+            self._ttft.observe(max(0.0, at - self.since))
             self.since = None
 
 
@@ -158,20 +169,22 @@ class Steps:
     step time. The step is the gap between two outputs less the appends awaited in
     between, the rest of the loop's work being synchronous and small."""
 
-    __slots__ = ("_appending", "_last")
+    __slots__ = ("_appending", "_itl", "_last", "_tokens")
 
-    def __init__(self) -> None:
+    def __init__(self, model: str) -> None:
         self._last: float | None = None  # the previous output's time, from the first token
         self._appending = 0.0
+        self._tokens = COMPLETION_TOKENS.labels(model=model)
+        self._itl = INTER_TOKEN_LATENCY.labels(model=model)
 
     def output(self, tokens: int) -> None:
         now = time.monotonic()
-        COMPLETION_TOKENS.inc(tokens)
+        self._tokens.inc(tokens)
         if self._last is not None:
             gap = now - self._last
             ENGINE_STEP.observe(max(0.0, gap - self._appending))
             if tokens:
-                INTER_TOKEN_LATENCY.observe(gap / tokens)
+                self._itl.observe(gap / tokens)
         if tokens or self._last is not None:
             self._last = now
         self._appending = 0.0

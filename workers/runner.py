@@ -212,8 +212,8 @@ class Runner:
             frozenset(t.get_name() for t in self._tasks),
             self.models,
         )
-        SLOTS.set(beat.slots)
-        RUNNING.set(len(self._tasks))
+        SLOTS.labels(model=self.models[0]).set(beat.slots)
+        RUNNING.labels(model=self.models[0]).set(len(self._tasks))
         await self.heartbeats.beat(self.settings.worker_id, beat)
 
     async def _drain(self) -> None:

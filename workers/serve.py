@@ -144,18 +144,21 @@ class Serve:
 
     async def _run(self, entry_id: bytes, job: Job, owner: Owner) -> None:
         rid = job.request_id
+        model = job.model or self.settings.model_name
         dispatched_ms = int(time.time() * 1000)
         first_run = owner.epoch <= 1
         if first_run:
-            PROMPT_TOKENS.inc(len(job.prompt_token_ids))
+            PROMPT_TOKENS.labels(model=model).inc(len(job.prompt_token_ids))
             if owner.first is not None:
-                QUEUE_WAIT.observe(max(0, dispatched_ms - owner.first[0].ms) / 1000)
+                QUEUE_WAIT.labels(model=model).observe(
+                    max(0, dispatched_ms - owner.first[0].ms) / 1000
+                )
         logged, recovery = await self._continued(job, owner)
         if recovery.paused_ms and job.deadline_unix_s:  # time parked does not count
             job = msgspec.structs.replace(
                 job, deadline_unix_s=job.deadline_unix_s + recovery.paused_ms / 1000
             )
-        first_token = FirstToken(dispatched_ms / 1000 if first_run else None)
+        first_token = FirstToken(dispatched_ms / 1000 if first_run else None, model)
         self.running[rid] = signals = Signals(handing_over=self.handing_over)
         try:
             mark = (self.settings.worker_id, how_claimed(first_run, logged, recovery))
@@ -192,7 +195,8 @@ class Serve:
         WASTED_TOKENS.inc(ending.end.wasted_tokens)
         await self.batcher.end(owner, ending, ack=entry_id, give_up_at=self._give_up_at(job))
         took_ms = time.time() * 1000 - dispatched_ms
-        REQUEST_DURATION.labels(state=ending.state).observe(took_ms / 1000)
+        model = job.model or self.settings.model_name
+        REQUEST_DURATION.labels(state=ending.state, model=model).observe(took_ms / 1000)
         self.mean_service_ms = (
             took_ms if not self.mean_service_ms else 0.9 * self.mean_service_ms + 0.1 * took_ms
         )

@@ -39,7 +39,7 @@ async def completion(
 ) -> Response[Any] | Stream:
     """A chat or text completion: SSE chunks, or the whole answer."""
     if not acc.replayed:
-        REQUESTS.labels(kind=kind, stream=str(stream).lower()).inc()
+        REQUESTS.labels(kind=kind, stream=str(stream).lower(), model=acc.created.model).inc()
     rid, created = acc.request_id, acc.created
     if not stream:
         agg = await until_disconnect(request, collect(ctx, rid, created, await _lease(ctx, acc)))
@@ -72,7 +72,8 @@ async def response(
     """A response: its events, its object once it ended, or -- in background mode -- its
     object at once (queued, or as far as it got for a replay)."""
     if not acc.replayed:
-        REQUESTS.labels(kind="response", stream=str(body.stream).lower()).inc()
+        model = acc.created.model
+        REQUESTS.labels(kind="response", stream=str(body.stream).lower(), model=model).inc()
     rid, created = acc.request_id, acc.created
     if body.stream:
         after = intake.sequence_cursor(request) if acc.replayed else None

@@ -7,7 +7,7 @@ import asyncio
 from prometheus_client import Counter, Gauge, Histogram
 
 REQUESTS = Counter(
-    "lastevent_requests_total", "Requests accepted into the queue", ["kind", "stream"]
+    "lastevent_requests_total", "Requests accepted into the queue", ["kind", "stream", "model"]
 )
 REJECTED = Counter(
     "lastevent_rejected_total",
