@@ -1,18 +1,22 @@
-"""Writes the KEDA ScaledObject that scales the worker Deployment (ops/k8s/README.md).
+"""Writes the KEDA ScaledObject that scales one model's worker Deployment (ops/k8s/README.md).
 
-The queue is partitioned: partition ``p`` has its own stream, ``Keys(prefix, P).queue(p)``
-(``service/store/keys.py``), so KEDA gets two triggers per partition, on the same stream:
+Each model has its own queue in every partition: partition ``p``'s stream for the model is
+``Keys(prefix, P).queue(p, model_lane(model))`` (``service/store/keys.py``), so KEDA gets
+two triggers per partition, on the same stream:
 its consumer group's lag (jobs no worker has taken yet) and its pending entries (jobs
 workers are running). ``scalingModifiers`` adds them all up: that sum is the demand, and
 the target is what one worker runs at once, so the replicas are
 ``ceil((waiting + running) / per_worker)``. Scaling on the lag alone would shrink the
 Deployment whenever the workers keep up (lag 0) and grow it again when they no longer do.
 
-Regenerate after changing the partitions, the key prefix or the Redis topology::
+One ScaledObject per model, each scaling that model's worker Deployment. Regenerate after
+changing the partitions, the key prefix, a model's name or the Redis topology::
 
     .venv/bin/python ops/k8s/scaledobject.py > ops/k8s/base/scaledobject.yaml
     .venv/bin/python ops/k8s/scaledobject.py --partitions 6 --cluster --patch \\
         > ops/k8s/overlays/redis-cluster/scaledobject-patch.yaml
+    .venv/bin/python ops/k8s/scaledobject.py --model Qwen2.5-0.5B-Instruct \\
+        --name lastevent-worker-qwen > ops/k8s/overlays/two-models/scaledobject-qwen.yaml
 
 tests/unit/test_k8s.py checks that the committed files name exactly the streams of the
 partitions their ConfigMap configures.
@@ -27,7 +31,7 @@ from typing import Any
 import yaml
 
 from service.settings import Settings
-from service.store.keys import QUEUE_GROUP, Keys
+from service.store.keys import QUEUE_GROUP, Keys, model_lane
 
 NAME = "lastevent-worker"
 CONTAINER = "worker"
@@ -37,9 +41,10 @@ ADDRESSES_ENV = "REDIS_ADDRESSES"
 
 
 def triggers(
-    prefix: str, partitions: int, *, cluster: bool, per_worker: int
+    prefix: str, partitions: int, *, model: str, cluster: bool, per_worker: int
 ) -> list[dict[str, Any]]:
     keys = Keys(prefix, partitions)
+    lane = model_lane(model)
     connection = (
         {"addressesFromEnv": ADDRESSES_ENV}
         if cluster
@@ -48,7 +53,7 @@ def triggers(
     kind = "redis-cluster-streams" if cluster else "redis-streams"
     out: list[dict[str, Any]] = []
     for p in keys.all_partitions:
-        stream = {"stream": keys.queue(p), "consumerGroup": QUEUE_GROUP}
+        stream = {"stream": keys.queue(p, lane), "consumerGroup": QUEUE_GROUP}
         out.append(
             {
                 "type": kind,
@@ -75,17 +80,19 @@ def spec(
     prefix: str,
     partitions: int,
     *,
+    name: str,
+    model: str,
     cluster: bool,
     per_worker: int,
     min_replicas: int,
     max_replicas: int,
 ) -> dict[str, Any]:
-    trigger_list = triggers(prefix, partitions, cluster=cluster, per_worker=per_worker)
+    trigger_list = triggers(prefix, partitions, model=model, cluster=cluster, per_worker=per_worker)
     return {
         "scaleTargetRef": {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
-            "name": NAME,
+            "name": name,
             "envSourceContainerName": CONTAINER,
         },
         # a worker takes minutes to load its model: keep one, never scale to zero
@@ -121,7 +128,7 @@ def scaled_object(spec_: dict[str, Any]) -> dict[str, Any]:
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",
         "metadata": {
-            "name": NAME,
+            "name": spec_["scaleTargetRef"]["name"],
             "labels": {
                 "app.kubernetes.io/name": "lastevent",
                 "app.kubernetes.io/component": "worker",
@@ -149,6 +156,8 @@ def render(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--partitions", type=int, default=defaults.partitions)
     parser.add_argument("--prefix", default=defaults.key_prefix)
+    parser.add_argument("--model", default=defaults.model_name, help="the model its workers serve")
+    parser.add_argument("--name", default=NAME, help="the worker Deployment it scales")
     parser.add_argument(
         "--cluster", action="store_true", help="Redis Cluster (redis-cluster-streams)"
     )
@@ -167,6 +176,8 @@ def render(argv: list[str] | None = None) -> str:
     spec_ = spec(
         args.prefix,
         args.partitions,
+        name=args.name,
+        model=args.model,
         cluster=args.cluster,
         per_worker=args.per_worker,
         min_replicas=args.min_replicas,

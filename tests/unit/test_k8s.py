@@ -1,7 +1,8 @@
 """ops/k8s: the Kubernetes manifests, built and checked offline (no cluster, no network).
 
 ``build`` does what ``kubectl kustomize`` does with the features ops/k8s uses (resources,
-strategic-merge and JSON 6902 patches, images) and refuses every other one, so that a
+strategic-merge and JSON 6902 patches, images, a name suffix, labels) and refuses every
+other one, so that a
 kustomization it cannot build fails here instead of passing unchecked. Where kubectl is
 installed, its build must be the same as ``kubectl kustomize``'s.
 
@@ -14,8 +15,9 @@ ships that schema (cloudcoil-models-keda has pydantic models made from it, which
 unknown fields). Its HPA ``behavior`` is Kubernetes' own schema, from the same bundle.
 
 Then what no schema knows: every LASTEVENT_* variable is a setting, the probes ask
-routes the API has, the grace periods outlast the drains, the worker gets a GPU, and
-KEDA watches exactly the queue streams ``Keys`` names for the configured partitions.
+routes the API has, the grace periods outlast the drains, each model's workers get a GPU,
+and KEDA watches exactly the queue streams ``Keys`` names for each model's workers and the
+configured partitions.
 """
 
 from __future__ import annotations
@@ -44,12 +46,18 @@ from referencing import Registry, Resource
 from service.api import app as api_app
 from service.cli import _parser as cli_parser
 from service.settings import PREFIX, Settings
-from service.store.keys import QUEUE_GROUP, Keys
+from service.store.keys import QUEUE_GROUP, Keys, model_lane
 from service.tokenize import ModelInfo
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "ops" / "k8s"
-BUILDS = {"base": K8S / "base", "redis-cluster": K8S / "overlays" / "redis-cluster"}
+BUILDS = {
+    "base": K8S / "base",
+    "redis-cluster": K8S / "overlays" / "redis-cluster",
+    "two-models": K8S / "overlays" / "two-models",
+}
+# kustomizations built only as parts of those (one model's workers)
+PARTS = {K8S / "base" / "worker", K8S / "overlays" / "two-models" / "qwen"}
 # the oldest Kubernetes the manifests are for, and the newest kubernetes-validate knows
 K8S_VERSIONS = ("1.31.0", "1.37.0")
 
@@ -84,7 +92,8 @@ def group_of(api_version: str) -> str:
 def build(path: Path) -> list[dict[str, Any]]:
     kfile = path / "kustomization.yaml"
     kustomization = yaml.safe_load(kfile.read_text())
-    unknown = set(kustomization) - {"apiVersion", "kind", "resources", "patches", "images"}
+    known = {"apiVersion", "kind", "resources", "patches", "images", "nameSuffix", "labels"}
+    unknown = set(kustomization) - known
     if unknown:
         raise NotImplementedError(f"{kfile}: {sorted(unknown)} (teach tests/unit/test_k8s.py)")
     objects: list[dict[str, Any]] = []
@@ -98,9 +107,26 @@ def build(path: Path) -> list[dict[str, Any]]:
     assert len(ids) == len(set(ids)), f"{kfile}: an object twice: {ids}"
     for patch in kustomization.get("patches", []):
         apply_patch(objects, path, patch)
+    for obj in objects:  # (kustomize's order: the patches, then the suffix and labels)
+        obj["metadata"]["name"] += kustomization.get("nameSuffix", "")
+    for entry in kustomization.get("labels", []):
+        add_labels(objects, entry)
     for image in kustomization.get("images", []):
         set_image(objects, image)
     return objects
+
+
+def add_labels(objects: list[dict[str, Any]], entry: dict[str, Any]) -> None:
+    """``labels``: on every object; with ``includeSelectors`` on a Deployment's selector and
+    pod template too."""
+    if set(entry) - {"pairs", "includeSelectors"}:
+        raise NotImplementedError(f"labels options {sorted(entry)}")
+    pairs = entry["pairs"]
+    for obj in objects:
+        obj["metadata"].setdefault("labels", {}).update(pairs)
+        if entry.get("includeSelectors") and obj["kind"] == "Deployment":
+            obj["spec"]["selector"]["matchLabels"].update(pairs)
+            obj["spec"]["template"]["metadata"].setdefault("labels", {}).update(pairs)
 
 
 def select(objects: list[dict[str, Any]], target: dict[str, str]) -> list[dict[str, Any]]:
@@ -152,9 +178,8 @@ def merge(into: dict[str, Any], patch: dict[str, Any], *, builtin: bool, where: 
             into.pop(key, None)
         elif isinstance(value, dict) and isinstance(old, dict):
             merge(old, value, builtin=builtin, where=here)
-        elif (
-            builtin and isinstance(value, list) and isinstance(old, list) and key in MERGED_BY_NAME
-        ):
+        elif builtin and isinstance(value, list) and key in MERGED_BY_NAME:
+            old = old if isinstance(old, list) else []  # (none yet: the patch's)
             # (kustomize's order: the patch's items, then the others)
             merged = []
             for item in value:
@@ -291,6 +316,17 @@ def env_of(objects: tuple[dict[str, Any], ...], container: dict[str, Any]) -> di
 
 def settings_of(objects: tuple[dict[str, Any], ...], container: dict[str, Any]) -> Settings:
     return Settings.from_env(env_of(objects, container))
+
+
+def worker_deployments(objects: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
+    """Every model's worker Deployment (``lastevent worker``)."""
+    found = [
+        o
+        for o in objects
+        if o["kind"] == "Deployment" and main_container(o).get("args") == ["worker"]
+    ]
+    assert found, "no worker Deployment"
+    return found
 
 
 def prestop_sleep_s(container: dict[str, Any]) -> float:
@@ -479,7 +515,7 @@ def validate(obj: dict[str, Any], version: str) -> None:
 
 def test_every_kustomization_is_checked() -> None:
     found = {p.parent for p in K8S.rglob("kustomization.yaml")}
-    assert found == set(BUILDS.values())
+    assert found == set(BUILDS.values()) | PARTS
 
 
 @pytest.mark.parametrize("name", BUILDS)
@@ -612,7 +648,12 @@ def test_api_grace_period_covers_its_drain(name: str) -> None:
 @pytest.mark.parametrize("name", BUILDS)
 def test_worker_gets_a_gpu_and_time_to_drain(name: str) -> None:
     objects = built(name)
-    deployment = find(objects, "Deployment", "lastevent-worker")
+    for deployment in worker_deployments(objects):
+        check_worker(objects, deployment)
+    assert main_container(find(objects, "Deployment", "lastevent-recorder"))["args"] == ["recorder"]
+
+
+def check_worker(objects: tuple[dict[str, Any], ...], deployment: dict[str, Any]) -> None:
     worker = main_container(deployment)
     settings = settings_of(objects, worker)
     assert settings.engine == "vllm"
@@ -627,14 +668,30 @@ def test_worker_gets_a_gpu_and_time_to_drain(name: str) -> None:
     # KEDA owns the replica count: an apply must not reset it
     assert "replicas" not in deployment["spec"]
     assert not settings.recorder_in_worker
-    assert main_container(find(objects, "Deployment", "lastevent-recorder"))["args"] == ["recorder"]
+
+
+@pytest.mark.parametrize("name", BUILDS)
+def test_each_models_workers_are_apart_and_accepted_by_the_api(name: str) -> None:
+    """One Deployment per model, whose selectors do not overlap (each would adopt the
+    other's pods), each model one the API pods accept (LASTEVENT_MODELS)."""
+    objects = built(name)
+    workers = worker_deployments(objects)
+    models = [settings_of(objects, main_container(d)).model_name for d in workers]
+    assert len(models) == len(set(models)), models
+    selectors = [d["spec"]["selector"]["matchLabels"] for d in workers]
+    for d, selector in zip(workers, selectors, strict=True):
+        for other in workers:
+            if other is not d:
+                labels = other["spec"]["template"]["metadata"]["labels"]
+                assert not selector.items() <= labels.items(), d["metadata"]["name"]
+    api = settings_of(objects, main_container(find(objects, "Deployment", "lastevent-api")))
+    assert set(models) <= set(api.model_dirs), (models, api.model_dirs)
 
 
 @pytest.mark.parametrize("name", BUILDS)
 def test_model_dir_is_on_the_models_volume(name: str) -> None:
     objects = built(name)
-    for obj_name in ("lastevent-api", "lastevent-worker"):
-        deployment = find(objects, "Deployment", obj_name)
+    for deployment in [find(objects, "Deployment", "lastevent-api"), *worker_deployments(objects)]:
         claims = {
             v["name"]
             for v in deployment["spec"]["template"]["spec"]["volumes"]
@@ -649,8 +706,11 @@ def test_model_dir_is_on_the_models_volume(name: str) -> None:
 @pytest.mark.parametrize("name", BUILDS)
 def test_worker_and_recorder_pods_are_scraped(name: str) -> None:
     objects = built(name)
-    for obj_name in ("lastevent-worker", "lastevent-recorder"):
-        deployment = find(objects, "Deployment", obj_name)
+    for deployment in [
+        *worker_deployments(objects),
+        find(objects, "Deployment", "lastevent-recorder"),
+    ]:
+        obj_name = deployment["metadata"]["name"]
         settings = settings_of(objects, main_container(deployment))
         port = settings.metrics_port
         assert port, f"{obj_name}: LASTEVENT_METRICS_PORT=0 serves no metrics"
@@ -667,7 +727,15 @@ def test_worker_and_recorder_pods_are_scraped(name: str) -> None:
 @pytest.mark.parametrize("name", BUILDS)
 def test_keda_watches_every_partition_queue(name: str) -> None:
     objects = built(name)
-    scaled = find(objects, "ScaledObject", "lastevent-worker")["spec"]
+    scaled_objects = [o for o in objects if o["kind"] == "ScaledObject"]
+    targets = sorted(o["spec"]["scaleTargetRef"]["name"] for o in scaled_objects)
+    # one per model's workers
+    assert targets == sorted(d["metadata"]["name"] for d in worker_deployments(objects))
+    for obj in scaled_objects:
+        check_scaled_object(objects, obj["spec"])
+
+
+def check_scaled_object(objects: tuple[dict[str, Any], ...], scaled: dict[str, Any]) -> None:
     target = find(
         objects,
         scaled["scaleTargetRef"].get("kind", "Deployment"),
@@ -681,7 +749,9 @@ def test_keda_watches_every_partition_queue(name: str) -> None:
     env = env_of(objects, container)
     settings = Settings.from_env(env)
     keys = Keys(settings.key_prefix, settings.partitions)
-    streams = [keys.queue(p) for p in keys.all_partitions]
+    # the queues of the model its target's workers serve
+    lane = model_lane(settings.model_name)
+    streams = [keys.queue(p, lane) for p in keys.all_partitions]
     kind = "redis-cluster-streams" if settings.redis_cluster else "redis-streams"
     triggers = scaled["triggers"]
 
@@ -730,6 +800,9 @@ def test_committed_scaledobjects_are_generated() -> None:
     overlay = (K8S / "overlays" / "redis-cluster" / "scaledobject-patch.yaml").read_text()
     args = ["--partitions", "6", "--cluster", "--patch"]
     assert overlay == generator.render(args), "regenerate: see ops/k8s/scaledobject.py"
+    second = (K8S / "overlays" / "two-models" / "scaledobject-qwen.yaml").read_text()
+    args = ["--model", "Qwen2.5-0.5B-Instruct", "--name", "lastevent-worker-qwen"]
+    assert second == generator.render(args), "regenerate: see ops/k8s/scaledobject.py"
 
 
 @pytest.mark.parametrize("cluster", [False, True])
@@ -740,11 +813,12 @@ def test_generator_names_the_streams_keys_names(partitions: int, cluster: bool) 
     obj = yaml.safe_load(generator.render(args))
     validate(obj, K8S_VERSIONS[0])
     keys = Keys("tenant-x", partitions)
+    lane = model_lane(Settings().model_name)
     for kind in ("lagCount", "pendingEntriesCount"):
         streams = [
             t["metadata"]["stream"] for t in obj["spec"]["triggers"] if kind in t["metadata"]
         ]
-        assert streams == [keys.queue(p) for p in range(partitions)]
+        assert streams == [keys.queue(p, lane) for p in range(partitions)]
 
 
 # ---- the kustomize above, on its own ------------------------------------------------------
