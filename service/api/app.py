@@ -44,6 +44,7 @@ from service.settings import Settings
 from service.store import commit
 from service.store.commit import Committer
 from service.store.control import Control
+from service.store.heartbeats import Heartbeats
 from service.store.keys import Keys
 from service.store.limits import Limits
 from service.store.liveness import Observer
@@ -51,7 +52,7 @@ from service.store.log import RedisLog, Retention
 from service.store.models import ModelRegistry
 from service.store.pool import UNREACHABLE, connect, warm
 from service.store.presence import Presence
-from service.store.queue import Heartbeats, RequestQueue
+from service.store.queue import RequestQueue
 from service.store.shared import IdempotencyKeys
 from service.store.tail import LogTailer
 from service.tokenize import ModelInfo

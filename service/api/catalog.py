@@ -14,9 +14,10 @@ import logging
 import time
 
 from service.errors import NotFound
+from service.store.heartbeats import Heartbeats
 from service.store.keys import model_lane
 from service.store.models import Declared, ModelRegistry
-from service.store.queue import Heartbeats, RequestQueue
+from service.store.queue import RequestQueue
 from service.tokenize import ModelInfo
 
 log = logging.getLogger(__name__)

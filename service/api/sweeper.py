@@ -27,10 +27,11 @@ import logging
 import time
 
 from service.api.metrics import REQUEUED, WORKER_CONNECTIONS_LOST, WORKERS_CONNECTED
+from service.store.heartbeats import Heartbeats
 from service.store.liveness import Judge, Observer
 from service.store.log import LogError, RedisLog
 from service.store.pool import survived
-from service.store.queue import Heartbeats, Job, RequestQueue, wait_for_takeover
+from service.store.queue import Job, RequestQueue, wait_for_takeover
 from service.stream import endings
 from service.stream.endings import Failure
 from service.stream.lifecycle import Requeue, State

@@ -24,9 +24,9 @@ from service.ledger.api_keys import ApiKeys
 from service.ledger.ledger import make_engine
 from service.ledger.migrate import upgrade
 from service.settings import Settings
+from service.store.heartbeats import Heartbeats
 from service.store.keys import Keys
 from service.store.pool import connect
-from service.store.queue import Heartbeats
 
 
 def up(settings: Settings) -> None:

@@ -10,7 +10,7 @@ import time
 import msgspec
 from redis.asyncio import Redis
 
-from service.store.keys import Keys
+from service.store.keys import Keys, model_lane
 
 
 class Declared(msgspec.Struct, frozen=True):
@@ -51,6 +51,10 @@ class ModelRegistry:
         keeps its ``created``; a later one may move an adapter to another base)."""
         now = int(time.time())
         known = await self.declared()
+        for name in [base, *adapters]:
+            same = [k for k in known if k != name and model_lane(k) == model_lane(name)]
+            if same:  # (one in ~4 billion pairs: rename one of them)
+                raise ValueError(f"the models {name!r} and {same[0]!r} share a queue lane")
         pipe = self.redis.pipeline(transaction=False)
         for name, parent in [(base, None), *((a, base) for a in adapters)]:
             old = known.get(name)

@@ -10,8 +10,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from service.store.heartbeats import Heartbeat
 from service.store.keys import Keys
-from service.store.queue import Heartbeat
 from tests.e2e.conftest import Stack, running
 from tests.e2e.helpers import assert_ids_increase, content_of, read_all
 

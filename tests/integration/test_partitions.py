@@ -132,7 +132,7 @@ async def test_each_partition_has_its_own_queue(redis: Redis, keys: Keys) -> Non
         [(entry, job)] = await queue.read(p, "w", count=10, block_ms=50)
         assert job.request_id == rid
         assert await queue.read(p, "w", count=10, block_ms=10) == []
-        await queue.ack(p, entry)
+        await queue.ack(rid, entry)
     assert await queue.depth() == 0
 
 

@@ -493,8 +493,8 @@ async def test_queue_two_consumers_no_duplicates_and_ack(redis: Redis, keys: Key
     assert pending["pending"] == 3
     assert {c["name"]: c["pending"] for c in pending["consumers"]} == {b"c1": 2, b"c2": 1}
 
-    for entry_id, _ in a + b:
-        await queue.ack(0, entry_id)
+    for entry_id, job in a + b:
+        await queue.ack(job.request_id, entry_id)
     assert (await redis.xpending(keys.queue(0), QUEUE_GROUP))["pending"] == 0
     assert await queue.depth() == 0
 

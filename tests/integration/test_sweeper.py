@@ -10,9 +10,10 @@ from redis.asyncio import Redis
 
 from service.api.sweeper import Sweeper
 from service.store.control import Control
+from service.store.heartbeats import Heartbeat, Heartbeats
 from service.store.keys import QUEUE_GROUP, TAKEOVER_ENTRY, Keys
 from service.store.log import Fenced, Recovery, RedisLog
-from service.store.queue import Heartbeat, Heartbeats, Job, RequestQueue, encode_job
+from service.store.queue import Job, RequestQueue, encode_job
 from service.stream import endings
 from service.stream import events as ev
 from service.stream.lifecycle import Requeue, State
@@ -211,8 +212,8 @@ async def test_a_takeover_is_read_ahead_of_a_backlog_of_fresh_work(redis: Redis,
     got = await queue.read(0, "next", count=2, block_ms=100)
     assert [j.request_id for _, j in got] == [lost[1], *backlog[1:]]
     # each entry is acknowledged in its own queue
-    for e, _ in [*first, *got]:
-        await queue.ack(0, e)
+    for e, j in [*first, *got]:
+        await queue.ack(j.request_id, e)
     assert [(await redis.xpending(s, QUEUE_GROUP))["pending"] for s in queue.streams(0)] == [0, 0]
     assert await queue.depth() == 0
 
@@ -255,7 +256,7 @@ async def test_fresh_jobs_a_read_handed_beyond_the_slots_go_back_to_the_front(
     assert [j.request_id for _, j in handed] == rids[:2]
     cancelled = endings.cancelled_queued(endings.Request(rids[1], None, 1, 0))
     assert (await Control(redis, keys).cancel(rids[1], cancelled)).outcome == State.CANCELLED
-    await queue.give_back(0, handed)
+    await queue.give_back(handed)
     assert (await redis.xpending(keys.queue(0), QUEUE_GROUP))["pending"] == 0
     got = await queue.read(0, "idle", count=1, block_ms=100)
     # the given-back job first (from the takeover queue), then the oldest fresh one

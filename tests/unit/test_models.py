@@ -12,9 +12,9 @@ from redis.crc import key_slot
 from service.api.request_ids import REQUEST_ID_RE, checked_request_id, new_request_id
 from service.errors import NotFound
 from service.settings import Settings
+from service.store.heartbeats import Heartbeat
 from service.store.keys import Keys, lane_of, model_lane
 from service.store.models import parse_lora_modules
-from service.store.queue import Heartbeat
 from service.stream.events import Kind
 
 names = st.text(min_size=1, max_size=80)
