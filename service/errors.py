@@ -77,6 +77,13 @@ class NotFound(ApiError):
     error_type = "not_found_error"
 
 
+class ModelNotFound(NotFound):
+    """A model this server does not know: a 404 of OpenAI's kind (as its API and vLLM's
+    server answer it)."""
+
+    error_type = "invalid_request_error"
+
+
 class ServiceUnavailable(ApiError):
     status_code = 503
     error_type = "service_unavailable"

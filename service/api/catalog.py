@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 
-from service.errors import NotFound
+from service.errors import ModelNotFound
 from service.store.heartbeats import Heartbeats
 from service.store.keys import model_lane
 from service.store.models import Declared, ModelRegistry
@@ -106,6 +106,8 @@ class Catalog:
         return out
 
 
-def unknown_model(name: str) -> NotFound:
+def unknown_model(name: str) -> ModelNotFound:
     shown = name[:_SHOWN] + ("..." if len(name) > _SHOWN else "")
-    return NotFound(f"the model '{shown}' does not exist", param="model", code="model_not_found")
+    return ModelNotFound(
+        f"the model '{shown}' does not exist", param="model", code="model_not_found"
+    )

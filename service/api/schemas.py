@@ -279,7 +279,7 @@ def error_responses(*statuses: int) -> dict[int, Any]:
         400: "Invalid request: names the parameter, the limit and the observed value",
         401: "Missing or invalid API key",
         403: "The key may not use this model or route",
-        404: "No such request (another tenant's request looks the same)",
+        404: "No such request (another tenant's request looks the same), or model",
         413: "Body over the size limit",
         422: "The Idempotency-Key was used with another request body",
         429: "The key is over its limits (see Retry-After)",

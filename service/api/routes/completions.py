@@ -25,7 +25,7 @@ class CompletionsController(Controller):
         "/chat/completions",
         status_code=200,
         summary="Create a chat completion",
-        responses=error_responses(400, 401, 403, 413, 422, 429, 503),
+        responses=error_responses(400, 401, 403, 404, 413, 422, 429, 503),
     )
     async def chat(
         self,
@@ -68,7 +68,7 @@ class CompletionsController(Controller):
         "/completions",
         status_code=200,
         summary="Create a text completion",
-        responses=error_responses(400, 401, 403, 413, 422, 429, 503),
+        responses=error_responses(400, 401, 403, 404, 413, 422, 429, 503),
     )
     async def completions(
         self,

@@ -94,7 +94,7 @@ class VllmCompatController(Controller):
         "/tokenize",
         status_code=200,
         summary="Tokenize a prompt or a conversation (vLLM's)",
-        responses=error_responses(400, 401, 403, 413),
+        responses=error_responses(400, 401, 403, 404, 413),
     )
     async def tokenize(
         self, ctx: Context, principal: Principal, data: TokenizeRequest
@@ -112,7 +112,7 @@ class VllmCompatController(Controller):
         "/detokenize",
         status_code=200,
         summary="Text of token ids (vLLM's)",
-        responses=error_responses(400, 401, 403, 413),
+        responses=error_responses(400, 401, 403, 404, 413),
     )
     async def detokenize(
         self, ctx: Context, principal: Principal, data: DetokenizeRequest
