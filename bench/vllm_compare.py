@@ -1,7 +1,12 @@
-"""TTFT and inter-token latency: vLLM's own OpenAI server vs lastevent with a vLLM worker.
+"""TTFT, inter-token latency and CPU per token: vLLM's own OpenAI server vs lastevent
+with a vLLM worker.
 
-Same model, same engine settings, same prompts and concurrency, one after the other
-on this machine. Prints medians / p99s for both and the ratio lastevent / vLLM.
+Same model, same engine settings, same prompts and concurrency. Both systems are up at
+once and measured in turn, round after round (A B, then B A: a noisy machine's drift
+falls on both), and each figure is the median of the rounds, with each round's ratio
+lastevent / vLLM. CPU seconds per 1,000 delivered tokens are per process, without the
+engine core's own compute (vLLM's ``EngineCore`` process, which both systems have):
+vLLM's API server process; lastevent's API process, its worker process and Redis.
 
     make bench-vllm            # or: .venv-vllm/bin/python -m bench.vllm_compare --help
 
@@ -14,9 +19,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,6 +33,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
+import redis
 
 from bench.common import free_port, start_roles, stop, wait_ok
 
@@ -41,8 +50,16 @@ PROMPTS = [
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
+@dataclasses.dataclass(frozen=True)
+class System:
+    name: str
+    url: str
+    pids: dict[str, int]  # process -> pid: its own CPU time (children not counted)
+    redis_url: str | None = None  # its Redis's CPU counted too
+
+
 @contextlib.contextmanager
-def vllm_server(model_dir: Path, log: Path) -> Iterator[str]:
+def vllm_server(model_dir: Path, log: Path) -> Iterator[System]:
     port = free_port()
     cmd = [
         sys.executable,
@@ -64,13 +81,13 @@ def vllm_server(model_dir: Path, log: Path) -> Iterator[str]:
         proc = subprocess.Popen(cmd, env={**os.environ, **ENGINE_ENV}, stdout=out, stderr=out)
     try:
         wait_ok(f"http://127.0.0.1:{port}/health", [proc])
-        yield f"http://127.0.0.1:{port}"
+        yield System("vLLM", f"http://127.0.0.1:{port}", {"vLLM API server": proc.pid})
     finally:
         stop([proc])
 
 
 @contextlib.contextmanager
-def lastevent_stack(model_dir: Path, redis_url: str, logs: Path) -> Iterator[str]:
+def lastevent_stack(model_dir: Path, redis_url: str, logs: Path) -> Iterator[System]:
     port = free_port()
     env = {
         **os.environ,
@@ -86,6 +103,7 @@ def lastevent_stack(model_dir: Path, redis_url: str, logs: Path) -> Iterator[str
         "LASTEVENT_VLLM_MAX_MODEL_LEN": "2048",
         "LASTEVENT_WORKER_CONCURRENCY": "64",
         "LASTEVENT_AUTH": "off",  # no ledger, so no API keys (the API refuses to start else)
+        # the default level (disk) needs an appendfsync-always Redis: say which in the env
         "LASTEVENT_DURABILITY": os.environ.get("LASTEVENT_DURABILITY", "memory"),
     }
     env.pop("LASTEVENT_DATABASE_URL", None)  # no ledger: measure the stream path only
@@ -97,18 +115,35 @@ def lastevent_stack(model_dir: Path, redis_url: str, logs: Path) -> Iterator[str
             if procs[0].poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError((logs / "worker.log").read_text()[-3000:])
             time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}"
+        pids = {"lastevent worker": procs[0].pid, "lastevent API": procs[1].pid}
+        yield System("lastevent", f"http://127.0.0.1:{port}", pids, redis_url)
     finally:
         stop(procs)
 
 
-async def one_request(
-    client: httpx.AsyncClient, prompt: str, max_tokens: int
-) -> tuple[float, list[float]]:
+@dataclasses.dataclass
+class Run:
+    """One system at one concurrency in one round."""
+
+    ttft: list[float] = dataclasses.field(default_factory=list)
+    itl: list[float] = dataclasses.field(default_factory=list)
+    tokens: int = 0
+    cpu_s: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def ms(self, metric: str, q: float) -> float:
+        ordered = sorted(getattr(self, metric))
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+    def cpu_ms_per_1k(self, process: str) -> float:
+        return self.cpu_s[process] * 1000 / max(self.tokens, 1) * 1000
+
+
+async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int, run: Run) -> None:
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": prompt}],
         "stream": True,
+        "stream_options": {"include_usage": True},
         "max_tokens": max_tokens,
         "temperature": 0,
     }
@@ -119,48 +154,80 @@ async def one_request(
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                run.tokens += chunk["usage"]["completion_tokens"]
             if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
                 arrivals.append(time.perf_counter())
-    ttft = arrivals[0] - start
-    return ttft, [b - a for a, b in itertools.pairwise(arrivals)]
+    run.ttft.append(arrivals[0] - start)
+    run.itl.extend(b - a for a, b in itertools.pairwise(arrivals))
 
 
-async def load(
-    url: str, concurrency: int, per_client: int, max_tokens: int
-) -> dict[str, list[float]]:
-    ttfts: list[float] = []
-    itls: list[float] = []
-    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-        await one_request(client, "warm up", 8)
+def cpu_now(system: System) -> dict[str, float]:
+    out = {n: sum(psutil.Process(p).cpu_times()[:2]) for n, p in system.pids.items()}
+    if system.redis_url is not None:
+        info = redis.Redis.from_url(system.redis_url).info("cpu")
+        out["Redis"] = float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+    return out
+
+
+async def load(system: System, concurrency: int, per_client: int, max_tokens: int) -> Run:
+    run = Run()
+    async with httpx.AsyncClient(base_url=system.url, timeout=600) as client:
+        await one_request(client, "warm up", 8, Run())
+        before = cpu_now(system)
 
         async def client_loop(i: int) -> None:
             for j in range(per_client):
-                ttft, gaps = await one_request(client, PROMPTS[(i + j) % len(PROMPTS)], max_tokens)
-                ttfts.append(ttft)
-                itls.extend(gaps)
+                prompt = PROMPTS[(i + j) % len(PROMPTS)]
+                await one_request(client, prompt, max_tokens, run)
 
         await asyncio.gather(*(client_loop(i) for i in range(concurrency)))
-    return {"ttft": ttfts, "itl": itls}
+        after = cpu_now(system)
+    run.cpu_s = {n: after[n] - before[n] for n in before}
+    return run
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+Rounds = dict[int, dict[str, list[Run]]]  # concurrency -> system -> its run of each round
 
 
-def table(results: dict[int, dict[str, dict[str, list[float]]]]) -> str:
+def latency_table(rounds: Rounds) -> str:
     rows = [
-        "| concurrency | metric | vLLM server (ms) | lastevent (ms) | lastevent / vLLM |",
-        "| --- | --- | --- | --- | --- |",
+        "| concurrency | metric | vLLM server (ms) | lastevent (ms) | lastevent / vLLM "
+        "(median of rounds) | each round |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
-    for c, by_system in results.items():
+    for c, runs in rounds.items():
         for metric in ("ttft", "itl"):
             for name, q in (("p50", 0.5), ("p99", 0.99)):
-                v = pct(by_system["vllm"][metric], q)
-                le = pct(by_system["lastevent"][metric], q)
+                v = [r.ms(metric, q) for r in runs["vLLM"]]
+                le = [r.ms(metric, q) for r in runs["lastevent"]]
+                ratios = [b / a for a, b in zip(v, le, strict=True)]
+                each = " ".join(f"{x:.2f}" for x in ratios)
                 rows.append(
-                    f"| {c} | {metric.upper()} {name} | {v:.1f} | {le:.1f} | {le / v:.2f} |"
+                    f"| {c} | {metric.upper()} {name} | {statistics.median(v):.1f} | "
+                    f"{statistics.median(le):.1f} | {statistics.median(ratios):.2f} | {each} |"
                 )
+    return "\n".join(rows)
+
+
+def cpu_table(rounds: Rounds) -> str:
+    rows = [
+        "| concurrency | vLLM API server | lastevent API | lastevent worker | Redis | "
+        "lastevent in all | lastevent / vLLM |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c, runs in rounds.items():
+
+        def med(system: str, process: str, runs: dict[str, list[Run]] = runs) -> float:
+            return statistics.median(r.cpu_ms_per_1k(process) for r in runs[system])
+
+        v = med("vLLM", "vLLM API server")
+        parts = [med("lastevent", p) for p in ("lastevent API", "lastevent worker", "Redis")]
+        total = statistics.median(
+            sum(r.cpu_ms_per_1k(p) for p in r.cpu_s) for r in runs["lastevent"]
+        )
+        cells = " | ".join(f"{x:.0f}" for x in parts)
+        rows.append(f"| {c} | {v:.0f} | {cells} | {total:.0f} | {total / v:.2f} |")
     return "\n".join(rows)
 
 
@@ -173,24 +240,33 @@ def main() -> None:
         type=Path,
         default=Path(__file__).resolve().parents[1] / ".cache/models" / MODEL,
     )
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--per-client", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     redis_url = os.environ.get("LASTEVENT_REDIS_URL", "redis://127.0.0.1:6379/0")
     logs = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
-    results: dict[int, dict[str, dict[str, list[float]]]] = {c: {} for c in args.concurrency}
-    with vllm_server(args.model_dir, logs / "vllm-server.log") as url:
-        for c in args.concurrency:
-            results[c]["vllm"] = asyncio.run(load(url, c, args.per_client, args.max_tokens))
-            print(f"vLLM server, concurrency {c}: done", flush=True)
-    with lastevent_stack(args.model_dir, redis_url, logs) as url:
-        for c in args.concurrency:
-            results[c]["lastevent"] = asyncio.run(load(url, c, args.per_client, args.max_tokens))
-            print(f"lastevent, concurrency {c}: done", flush=True)
+    rounds: Rounds = {c: {"vLLM": [], "lastevent": []} for c in args.concurrency}
+    with (
+        vllm_server(args.model_dir, logs / "vllm-server.log") as vllm,
+        lastevent_stack(args.model_dir, redis_url, logs) as lastevent,
+    ):
+        for r in range(args.rounds):
+            order = (vllm, lastevent) if r % 2 == 0 else (lastevent, vllm)
+            for c in args.concurrency:
+                for system in order:
+                    run = asyncio.run(load(system, c, args.per_client, args.max_tokens))
+                    rounds[c][system.name].append(run)
+                    print(f"round {r + 1}, {system.name}, concurrency {c}: done", flush=True)
     print()
-    print(table(results))
-    print(f"\n{args.per_client} requests per client, max_tokens {args.max_tokens}; logs in {logs}")
+    print(latency_table(rounds))
+    print("\nCPU ms per 1,000 delivered tokens (medians of the rounds):\n")
+    print(cpu_table(rounds))
+    print(
+        f"\n{args.rounds} rounds, {args.per_client} requests per client, max_tokens "
+        f"{args.max_tokens}; logs in {logs}"
+    )
 
 
 if __name__ == "__main__":
