@@ -195,7 +195,6 @@ class Serve:
         WASTED_TOKENS.inc(ending.end.wasted_tokens)
         await self.batcher.end(owner, ending, ack=entry_id, give_up_at=self._give_up_at(job))
         took_ms = time.time() * 1000 - dispatched_ms
-        model = job.model or self.settings.model_name
         REQUEST_DURATION.labels(state=ending.state, model=model).observe(took_ms / 1000)
         self.mean_service_ms = (
             took_ms if not self.mean_service_ms else 0.9 * self.mean_service_ms + 0.1 * took_ms

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from service.errors import ModelNotFound
 from service.store.heartbeats import Heartbeats
@@ -44,7 +43,6 @@ class Catalog:
         self.refresh_s = refresh_s
         self.declared: dict[str, Declared] = {}
         self.live: frozenset[str] = frozenset()  # names a fresh heartbeat serves
-        self.refreshed = 0.0  # monotonic s of the last refresh (0: never)
         self._queues: list[RequestQueue] = []
 
     def follow(self, queue: RequestQueue) -> None:
@@ -56,7 +54,6 @@ class Catalog:
         self.declared = await self.registry.declared()
         beats = await self.heartbeats.live(self.stale_s)
         self.live = frozenset(m for b in beats for m in b.models)
-        self.refreshed = time.monotonic()
         for queue in self._queues:
             queue.lanes = self.lanes()
 

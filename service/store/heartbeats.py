@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 import msgspec
 from redis.asyncio import Redis
@@ -97,9 +98,7 @@ class Heartbeats:
 
     async def live(self, stale_s: float) -> list[Heartbeat]:
         """The fresh heartbeats."""
-        now_ms = time.time() * 1000
-        beats = (await self.redis.hgetall(self.keys.workers)).values()
-        return [b for b in map(Heartbeat.decode, beats) if b.fresh(now_ms, stale_s)]
+        return _fresh(await self.redis.hgetall(self.keys.workers), stale_s)
 
     async def live_with_depth(self, stale_s: float, model: str) -> tuple[list[Heartbeat], int]:
         """The fresh heartbeats and the length of ``model``'s queues, in one round trip
@@ -110,9 +109,10 @@ class Heartbeats:
             for stream in self.keys.queues(p, model_lane(model)):
                 pipe.xlen(stream)
         beats, *depths = await pipe.execute()
-        now_ms = time.time() * 1000
-        fresh = [b for b in map(Heartbeat.decode, beats.values()) if b.fresh(now_ms, stale_s)]
-        return fresh, sum(replies.integer(d) for d in depths)
+        return _fresh(beats, stale_s), sum(replies.integer(d) for d in depths)
 
-    async def count(self) -> int:
-        return int(await self.redis.hlen(self.keys.workers))
+
+def _fresh(beats: dict[Any, Any], stale_s: float) -> list[Heartbeat]:
+    """The fresh ones of the ``workers`` hash's heartbeats (worker id -> encoded)."""
+    now_ms = time.time() * 1000
+    return [b for b in map(Heartbeat.decode, beats.values()) if b.fresh(now_ms, stale_s)]

@@ -130,6 +130,9 @@ class Keys:
         continuations and jobs queued again, read before the lane's queue."""
         return f"{self.queue(partition, lane)}{TAKEOVERS_SUFFIX}"
 
+    def takeovers_of(self, request_id: str) -> str:
+        return self.takeovers(self.partition(request_id), lane_of(request_id))
+
     def log(self, request_id: str) -> str:
         """The request's event log (a stream)."""
         return f"{self._r(request_id)}:log"

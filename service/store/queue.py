@@ -103,10 +103,9 @@ class RequestQueue:
 
     def _located(self, request_id: str, entry_id: bytes) -> tuple[str, bytes]:
         """The stream a request's entry is in, and its id there."""
-        queue = self.keys.queue_of(request_id)
         if entry_id.startswith(TAKEOVER_ENTRY):
-            return f"{queue}{TAKEOVERS_SUFFIX}", entry_id[len(TAKEOVER_ENTRY) :]
-        return queue, entry_id
+            return self.keys.takeovers_of(request_id), entry_id[len(TAKEOVER_ENTRY) :]
+        return self.keys.queue_of(request_id), entry_id
 
     def _named(self, stream: str, entry_id: Any) -> bytes:
         raw = entry_id if isinstance(entry_id, bytes) else replies.text(entry_id).encode()
