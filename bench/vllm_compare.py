@@ -107,7 +107,8 @@ def lastevent_stack(
         "LASTEVENT_VLLM_ENFORCE_EAGER": "true",
         "LASTEVENT_VLLM_KV_CACHE_GB": "1",
         "LASTEVENT_VLLM_MAX_MODEL_LEN": "2048",
-        "LASTEVENT_WORKER_CONCURRENCY": "64",
+        # as many at once as vLLM's server runs on CPU (its max_num_seqs there: 128)
+        "LASTEVENT_WORKER_CONCURRENCY": "128",
         "LASTEVENT_AUTH": "off",  # no ledger, so no API keys (the API refuses to start else)
         "LASTEVENT_DURABILITY": durability,
     }
@@ -236,6 +237,17 @@ def cpu_table(rounds: Rounds) -> str:
     return "\n".join(rows)
 
 
+def at_rest(systems: tuple[System, ...], seconds: float) -> dict[str, float]:
+    """Each process's CPU while nobody sends anything (its polls, heartbeats, timers), in
+    ms per second: what a run's CPU per token holds besides the tokens' own work."""
+    before = [cpu_now(s) for s in systems]
+    time.sleep(seconds)
+    after = [cpu_now(s) for s in systems]
+    return {
+        n: (a[n] - b[n]) * 1000 / seconds for b, a in zip(before, after, strict=True) for n in a
+    }
+
+
 def profiled(system: System, args: argparse.Namespace, out: Path) -> None:
     """One more load at ``args.profile`` clients, each process sampled by py-spy."""
     out.mkdir(exist_ok=True)
@@ -289,6 +301,9 @@ def main() -> None:
         "each process's top functions, Redis's commands per 1,000 tokens",
     )
     parser.add_argument("--profile-seconds", type=int, default=20)
+    parser.add_argument(
+        "--idle-seconds", type=float, default=10, help="how long CPU at rest is measured"
+    )
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     own = OwnRedis(
@@ -301,6 +316,7 @@ def main() -> None:
             vllm_server(args.model_dir, logs / "vllm-server.log") as vllm,
             lastevent_stack(args.model_dir, own.url, logs, args.durability) as lastevent,
         ):
+            rest = at_rest((vllm, lastevent), args.idle_seconds)
             for r in range(args.rounds):
                 order = (vllm, lastevent) if r % 2 == 0 else (lastevent, vllm)
                 for c in args.concurrency:
@@ -317,6 +333,8 @@ def main() -> None:
     print(latency_table(rounds))
     print("\nCPU ms per 1,000 delivered tokens (medians of the rounds):\n")
     print(cpu_table(rounds))
+    print(f"\nCPU at rest, both systems up and idle for {args.idle_seconds:g} s (ms per second):")
+    print("  " + ", ".join(f"{name} {ms:.1f}" for name, ms in rest.items()))
     print(
         f"\n{args.rounds} rounds, {args.per_client} requests per client, max_tokens "
         f"{args.max_tokens}; lastevent at {args.durability}; logs in {logs}"

@@ -106,10 +106,19 @@ class Control:
         if not rids:
             return {}
         now = now_ms()
-        results = await scripts.run_pipelined(
-            self.redis, self._check, [(self._keys(r), [now, park_after_ms]) for r in rids]
-        )
-        return {r: replies.integer(x) for r, x in zip(rids, results, strict=True)}
+        by_partition: dict[int, list[str]] = {}
+        for rid in rids:  # one call per partition (a cluster slot), for all of its requests
+            by_partition.setdefault(self.keys.partition(rid), []).append(rid)
+        calls = [
+            ([k for r in part for k in self._keys(r)], [now, park_after_ms])
+            for part in by_partition.values()
+        ]
+        results = await scripts.run_pipelined(self.redis, self._check, calls)
+        return {
+            r: replies.integer(x)
+            for part, verdicts in zip(by_partition.values(), results, strict=True)
+            for r, x in zip(part, verdicts, strict=True)
+        }
 
     async def lease(self, leases: Sequence[tuple[str, str, int]], expiry_ms: int) -> list[int]:
         """Write (or refresh) leases -- (request id, reader token, tokens delivered) --

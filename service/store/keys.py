@@ -38,6 +38,9 @@ SUMMARY_FIELD = b"s"  # outbox entry: a msgpack-encoded Summary of the ended req
 END_ID_FIELD = b"i"  # outbox entry: the terminal event's id
 JOB_FIELD = b"j"  # the one field of each queue entry: a msgpack-encoded job
 LOG_FIELD = b"k"  # a tail shard's wake entry: the log key that changed (none: just a wake)
+# A wake stream whose name ends so takes one entry per script call naming every log it
+# changed (``LOG_FIELD`` repeated); any other (an older API process's shard) one per log.
+WAKE_BATCHED = ":batched"
 # A partition's takeover queue is its queue's key plus this: the jobs queued again (a lost
 # or stopping worker's, a parked request's continuation), read ahead of fresh work. Its
 # entries are named ``TAKEOVER_ENTRY + <stream id>`` wherever an entry is kept or passed
@@ -245,5 +248,6 @@ class Keys:
     def wake(self, partition: int, process_id: str) -> str:
         """A stream of one tail shard of an API process, in the partition the shard follows:
         appends to the logs it follows add the log's key (``LOG_FIELD``), a new reader an
-        entry that just wakes its ``XREAD BLOCK``."""
-        return f"{self._p(partition)}:wake:{process_id}"
+        entry that just wakes its ``XREAD BLOCK``. (Named ``WAKE_BATCHED``: an append that
+        changes many of its logs adds one entry naming them all.)"""
+        return f"{self._p(partition)}:wake:{process_id}{WAKE_BATCHED}"

@@ -63,6 +63,15 @@ def stream_field(fields: list[bytes] | dict[bytes, bytes], name: bytes) -> bytes
     return None
 
 
+def stream_fields(fields: list[bytes] | dict[bytes, bytes], name: bytes) -> list[bytes]:
+    """Every value of field ``name`` in an entry's field list (a field may repeat there;
+    in a RESP3 map only its last value is left)."""
+    if isinstance(fields, dict):
+        value = fields.get(name)
+        return [] if value is None else [value]
+    return [fields[i + 1] for i in range(0, len(fields) - 1, 2) if fields[i] == name]
+
+
 def raw(response: Any, **_options: Any) -> Any:
     return response
 

@@ -189,9 +189,8 @@ class Shard:
         if not entries:
             return
         self._wake_last = entries[-1][0]
-        for _eid, fields in entries:
-            key = replies.stream_field(fields, LOG_FIELD)
-            if key is not None:
+        for _eid, fields in entries:  # (an append names every log it changed at once)
+            for key in replies.stream_fields(fields, LOG_FIELD):
                 name = key.decode()
                 if name in self._positions:
                     self._dirty.add(name)

@@ -68,6 +68,37 @@ async def test_the_owner_is_told_to_park_after_the_delay_or_to_abandon(
     assert never[long_window] < 0  # abandoned when its window is over, as before
 
 
+async def test_one_check_decides_each_of_many_requests_as_alone(
+    rlog: RedisLog, redis: Redis, keys: Keys
+) -> None:
+    """The owner's periodic check asks about all its requests in one call: each gets the
+    verdict it would get alone -- cancelled, detached, a live reader (its lapsed lease
+    beside it dropped, the moment it was left forgotten), a reader whose lease lapsed
+    (left since then), one Redis lost (not made again)."""
+    queue = RequestQueue(redis, keys)
+    control = Control(redis, keys)
+    rids = [(await running(rlog, queue, grace_ms=60_000))[0] for _ in range(5)]
+    cancelled, detached, live, lapsed, lost = rids
+    now = int(time.time() * 1000)
+    await redis.hset(keys.meta(cancelled), Meta.CANCEL, 1)
+    await redis.hset(keys.meta(detached), Meta.DETACHED, 1)
+    await redis.zadd(keys.readers(live), {"a": now + 60_000, "old": now - 5_000})
+    await redis.hset(keys.meta(live), Meta.GONE_MS, now - 5_000)
+    await redis.zadd(keys.readers(lapsed), {"a": now - 3_000, "b": now - 700})
+    await redis.delete(keys.meta(lost), keys.readers(lost))
+    got = await control.check(rids, park_after_ms=500)
+    assert got[cancelled] == Verdict.CANCELLED
+    assert got[detached] == got[live] == got[lost] == Verdict.KEEP_GOING
+    assert got[lapsed] == Verdict.PARK  # left 700 ms ago, parked after 500
+    assert await redis.zrange(keys.readers(live), 0, -1) == [b"a"]
+    assert await field(redis, keys, live, Meta.GONE_MS) is None
+    assert await field(redis, keys, lapsed, Meta.GONE_MS) == str(now - 700)
+    assert not await redis.exists(keys.readers(lapsed))
+    assert not await redis.exists(keys.meta(lost))
+    alone = {rid: (await control.check([rid], park_after_ms=500))[rid] for rid in rids}
+    assert alone == {**got, live: Verdict.KEEP_GOING}
+
+
 async def test_park_keeps_the_job_and_a_returning_reader_makes_it_go_on_once(
     rlog: RedisLog, redis: Redis, keys: Keys
 ) -> None:

@@ -1,7 +1,10 @@
 """The tail reads only the logs that changed: appends notify the shards that follow a log
 (its ``tails`` set names their wake streams), against a real Redis.
 
-What is checked: a read after an append names the changed logs only; a notification that
+What is checked: a read after an append names the changed logs only; one append call
+that changes many logs adds one wake entry naming them all (an older API process's wake
+stream, one entry per log, as it reads them) and every reader gets its events; a
+notification that
 is lost (Redis lost the registration) is made up for by the shard's sweep; a wake stream
 that is gone is forgotten by the append, not made again without a TTL; a log read after
 its end registers nothing; a registration lives as long as its request and goes with its
@@ -15,10 +18,10 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from service.store import tail
+from service.store import replies, tail
 from service.store.batcher import AppendBatcher
-from service.store.keys import Keys
-from service.store.log import RedisLog
+from service.store.keys import LOG_FIELD, WAKE_BATCHED, Keys
+from service.store.log import Append, RedisLog
 from service.store.tail import LogTailer
 from tests.integration.conftest import finished
 from tests.integration.test_redis_log import (
@@ -79,6 +82,54 @@ async def test_a_read_names_only_the_logs_that_changed(
     assert after and all(names == {wake} or names <= logs for names in after), after
     assert set().union(*after) - {wake} == logs
     assert all(s.queue.empty() for s in subs)
+
+
+async def test_one_call_wakes_each_shard_once_naming_every_log(
+    rlog: RedisLog, redis: Redis, keys: Keys
+) -> None:
+    """A worker's flush (one script call for many requests) adds one entry to each wake
+    stream, naming every log it changed; a wake stream named the older way (an API
+    process of the previous version, during a rolling upgrade) gets one entry per log, the
+    only form its shard reads."""
+    requests = [await new_request(rlog) for _ in range(6)]
+    part = keys.partition(requests[0][0])
+    batched = keys.wake(part, "new")
+    older = keys.wake(part, "old").removesuffix(WAKE_BATCHED)
+    for wake in (batched, older):
+        await redis.xadd(wake, {"w": "1"})
+    for r, _ in requests:
+        await redis.sadd(keys.tails(r), batched, older)
+    items = [Append(r, o.epoch, [delta(1)], expect=o.events) for r, o in requests]
+    assert all(isinstance(x, list) for x in await rlog.append_many(items))
+    logs = [keys.log(r).encode() for r, _ in requests]
+    as_sent = Redis(connection_pool=redis.connection_pool)  # (fields as a list, repeats kept)
+    as_sent.set_response_callback("XRANGE", replies.raw)
+    raw = await as_sent.xrange(batched)
+    assert [fields for _, fields in raw[1:]] == [
+        [x for log_key in logs for x in (LOG_FIELD, log_key)]
+    ]
+    assert [f[LOG_FIELD] for _, f in (await redis.xrange(older))[1:]] == logs
+
+
+async def test_readers_of_many_logs_changed_in_one_call_get_their_events(
+    rlog: RedisLog,
+    redis: Redis,
+    tail_client: tuple[Redis, str],
+    tailer: LogTailer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tail, "SWEEP_S", 3600.0)  # no sweep: notifications only
+    requests = [await new_request(rlog) for _ in range(40)]
+    subs = [tailer.subscribe(r) for r, _ in requests]
+    assert [len(await collect(s, 1)) for s in subs] == [1] * len(subs)
+    await until_blocked(tailer, redis, tail_client[1])
+    for step in (1, 2):
+        items = [Append(r, o.epoch, [delta(step)], expect=o.events) for r, o in requests]
+        await rlog.append_many(items)
+        for _, o in requests:
+            o.events += 1
+        for sub in subs:
+            assert [e for _, e in await collect(sub, 1)] == [delta(step)]
 
 
 async def test_a_lost_registration_is_made_up_by_the_sweep(

@@ -26,6 +26,7 @@ from service.store.keys import (
     SUMMARY_FIELD,
     TAKEOVER_ENTRY,
     TAKEOVERS_SUFFIX,
+    WAKE_BATCHED,
 )
 from service.stream.lifecycle import lua_prelude
 
@@ -58,7 +59,10 @@ def prelude() -> str:
         "log": LOG_FIELD,
     }
     table = ", ".join(f"{name}='{value.decode()}'" for name, value in fields.items())
-    group = f"local QUEUE_GROUP = '{QUEUE_GROUP}'\nlocal WAKE_MAXLEN = {WAKE_MAXLEN}\n"
+    group = (
+        f"local QUEUE_GROUP = '{QUEUE_GROUP}'\nlocal WAKE_MAXLEN = {WAKE_MAXLEN}\n"
+        f"local WAKE_BATCHED = '{WAKE_BATCHED}'\n"
+    )
     takeovers = (
         f"local TAKEOVERS = '{TAKEOVERS_SUFFIX}'\n"
         f"local TAKEOVER_ENTRY = '{TAKEOVER_ENTRY.decode()}'\n"
@@ -71,12 +75,48 @@ def prelude() -> str:
 # not in KEYS (the caller cannot know them). A stream that is gone (its API process died,
 # its TTL ran out) is forgotten rather than made again without a TTL (NOMKSTREAM). The cap
 # bounds a stream whose shard fell behind or stopped; a shard makes up with its sweep.
-NOTIFY = """local function notify(tails_key, log_key)
+# A script that changes many logs notes each (``wake_note``) and sends once
+# (``wake_send``): one entry per wake stream naming all of its logs (``WAKE_BATCHED``
+# streams; an older shard's stream, one entry per log) -- not one XADD per token.
+WAKE_LOGS_PER_ENTRY = 1000
+NOTIFY = f"""local function wakes() return {{order = {{}}, by = {{}}}} end
+local function wake_note(w, tails_key, log_key)
   for _, wake in ipairs(redis.call('SMEMBERS', tails_key)) do
-    local added = redis.call('XADD', wake, 'NOMKSTREAM', 'MAXLEN', '~', WAKE_MAXLEN, '*',
-      F.log, log_key)
-    if not added then redis.call('SREM', tails_key, wake) end
+    local e = w.by[wake]
+    if not e then
+      e = {{logs = {{}}, tails = {{}}}}
+      w.by[wake] = e
+      w.order[#w.order + 1] = wake
+    end
+    e.logs[#e.logs + 1] = log_key
+    e.tails[#e.tails + 1] = tails_key
   end
+end
+local function wake_add(wake, logs, from, to)
+  local args = {{}}
+  for i = from, to do
+    args[#args + 1] = F.log
+    args[#args + 1] = logs[i]
+  end
+  return redis.call('XADD', wake, 'NOMKSTREAM', 'MAXLEN', '~', WAKE_MAXLEN, '*', unpack(args))
+end
+local function wake_send(w)
+  for _, wake in ipairs(w.order) do
+    local e = w.by[wake]
+    local per = 1
+    if string.sub(wake, -#WAKE_BATCHED) == WAKE_BATCHED then per = {WAKE_LOGS_PER_ENTRY} end
+    for from = 1, #e.logs, per do
+      if not wake_add(wake, e.logs, from, math.min(from + per - 1, #e.logs)) then
+        for _, tails_key in ipairs(e.tails) do redis.call('SREM', tails_key, wake) end
+        break
+      end
+    end
+  end
+end
+local function notify(tails_key, log_key)
+  local w = wakes()
+  wake_note(w, tails_key, log_key)
+  wake_send(w)
 end
 """
 

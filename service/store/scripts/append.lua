@@ -5,7 +5,7 @@
 -- All the requests of one call are in one partition (one cluster slot) and one lane.
 -- KEYS[1] the partition's outbox, KEYS[2] the lane's queue; then per request: meta, log, readers (dropped at the
 -- terminal event), scratch (the finished log is copied there and renamed back: see below),
--- tails (the tail shards to notify: the prelude's notify; dropped at the terminal event).
+-- tails (the tail shards to notify: the prelude's wake_note and wake_send, once per call; dropped at the terminal event).
 -- (The caller frees the request's admission slot after a terminal event: another slot.)
 -- ARGV, per request: owner epoch, expected entries in the log before these ('' to not
 -- check), terminal state ('' if not terminal), TTL in seconds applied to its keys when
@@ -18,6 +18,7 @@
 -- step may go from and to: the prelude's T and TERMINAL, from lifecycle.TRANSITIONS). The same append
 -- sent again (its reply was lost) is not written twice: it answers the ids it got.
 local out = {}
+local woken = wakes()  -- the tail shards to notify, once each at the end
 local a, k = 1, 3
 while a <= #ARGV do
   local epoch, expect, terminal = ARGV[a], ARGV[a + 1], ARGV[a + 2]
@@ -56,9 +57,8 @@ while a <= #ARGV do
       ids[#ids + 1] = redis.call('XADD', log_key, '*', F.event, ARGV[i])
     end
     if #ids > 1 then
-      redis.call('HSET', meta_key, M.last, ids[#ids])
-      redis.call('HINCRBY', meta_key, M.events, #ids - 1)
-      notify(tails_key, log_key)
+      redis.call('HSET', meta_key, M.last, ids[#ids], M.events, have + #ids - 1)
+      wake_note(woken, tails_key, log_key)
     end
     if terminal ~= '' then
       redis.call('DEL', readers_key, tails_key)
@@ -83,4 +83,5 @@ while a <= #ARGV do
     out[#out + 1] = ids
   end
 end
+wake_send(woken)
 return out
