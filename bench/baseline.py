@@ -24,11 +24,10 @@ import uvicorn
 from litestar import Litestar, Request, get, post
 from litestar.response import Stream
 
-from service.stream import sse
+from service.stream import endings, sse
 from service.stream.assemble import Assembler
-from service.stream.events import Created, End
+from service.stream.events import Created
 from service.stream.ids import EventId
-from service.stream.lifecycle import State
 from service.stream.params import SamplingParams
 from service.stream.render import ChunkRenderer, sse_event_frames
 from service.tokenize import ModelInfo
@@ -73,10 +72,16 @@ def build(model: ModelInfo, tokens_per_s: float, prefill_s: float = 0.0) -> Lite
             await gen.aclose()
             aborts[rid] = time.time()
             raise
-        for event in asm.finish(State.FINISHED, reason):
+        # the ending as a worker makes it (``endings.py``): the held text, then End
+        tail = asm.flush()
+        tokens = asm.completion_tokens
+        shown = endings.Shown(0, asm.stopped, asm.has_calls, tokens, tokens)
+        choice = endings.finished(shown, reason, tail=tail)
+        request = endings.Request(rid, (now_id(), created), len(prompt), int(time.time() * 1000))
+        ending = endings.ran(request, [choice])
+        assert isinstance(ending, endings.Ending)
+        for event in ending.events:
             yield b"".join(sse_event_frames(renderer, now_id(), event, None))
-            if isinstance(event, End):
-                return
 
     @post("/v1/chat/completions", status_code=200)
     async def chat(request: Request[Any, Any, Any]) -> Stream:

@@ -210,8 +210,11 @@ class Generation:
         """Do what ``action`` says; whether the choice is over."""
         if action.append:
             events = self._marked(job.request_id, action.append)
-            with steps.appending():
+            since = time.monotonic()
+            try:
                 await self.batcher.append(owner, events, give_up_at=job.deadline_unix_s)
+            finally:
+                steps.appended(since)
         if action.abort:
             await self.engine.abort(eid)
         return action.stop is not None

@@ -147,7 +147,8 @@ def _merged(batch: list[tuple[Append, Owner]]) -> list[tuple[Append, Owner]]:
     for item, owner in batch:
         prev = out.get(id(owner))
         if prev is None:  # the position now: earlier flushes have moved it
-            out[id(owner)] = (dataclasses.replace(item, expect=owner.events), owner)
+            item.expect = owner.events  # (the item is this batcher's own: set, not copied)
+            out[id(owner)] = (item, owner)
             continue
         first = prev[0]
         out[id(owner)] = (

@@ -136,6 +136,13 @@ class Keys:
     def takeovers_of(self, request_id: str) -> str:
         return self.takeovers(self.partition(request_id), lane_of(request_id))
 
+    def appended(self, request_id: str) -> tuple[str, str, str, str, str]:
+        """The keys an append writes (``append.lua``'s, per request): meta, log, readers,
+        scratch, tails -- the request's prefix worked out once (a worker's flush names
+        them for every request it runs)."""
+        r = self._r(request_id)
+        return f"{r}:meta", f"{r}:log", f"{r}:readers", f"{r}:scratch", f"{r}:tails"
+
     def log(self, request_id: str) -> str:
         """The request's event log (a stream)."""
         return f"{self._r(request_id)}:log"

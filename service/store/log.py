@@ -261,14 +261,7 @@ class RedisLog(LogReader):
         keys: list[str] = [self.keys.outbox(partition), queue]
         args: list[bytes | str | int] = []
         for item in items:
-            rid = item.request_id
-            keys += [
-                self.keys.meta(rid),
-                self.keys.log(rid),
-                self.keys.readers(rid),
-                self.keys.scratch(rid),
-                self.keys.tails(rid),
-            ]
+            keys += self.keys.appended(item.request_id)
             args += [
                 str(item.epoch),
                 "" if item.expect is None else item.expect,

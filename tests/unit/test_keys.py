@@ -90,3 +90,15 @@ def test_admission_counters_share_a_slot() -> None:
 def test_a_partition_count_out_of_range_is_refused(partitions: int) -> None:
     with pytest.raises(ValueError, match="partitions"):
         Keys("le", partitions)
+
+
+@given(rid=ids, partitions=st.integers(1, 64), prefix=st.sampled_from(["le", "t1234", "x:y"]))
+def test_an_appends_keys_are_the_requests_own(rid: str, partitions: int, prefix: str) -> None:
+    keys = Keys(prefix, partitions)
+    assert keys.appended(rid) == (
+        keys.meta(rid),
+        keys.log(rid),
+        keys.readers(rid),
+        keys.scratch(rid),
+        keys.tails(rid),
+    )
