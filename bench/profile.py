@@ -72,11 +72,18 @@ def commandstats(url: str) -> dict[str, tuple[int, int]]:
     }
 
 
+def py_spy() -> str:
+    """py-spy's path, beside this Python or on PATH; exits saying how to install it."""
+    here = Path(sys.executable).parent
+    spy = shutil.which("py-spy", path=str(here)) or shutil.which("py-spy")
+    if spy is None:
+        raise SystemExit(f"py-spy is not installed: {here / 'pip'} install py-spy")
+    return spy
+
+
 @contextlib.contextmanager
 def sampling(pids: dict[str, int], out: Path, seconds: int) -> Iterator[dict[str, Path]]:
-    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
-    if spy is None:
-        raise SystemExit("py-spy is not installed: .venv/bin/pip install py-spy")
+    spy = py_spy()
     files = {name: out / f"{name}.txt" for name in pids}
     procs = [
         subprocess.Popen(

