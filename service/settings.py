@@ -38,7 +38,12 @@ class Settings:
     # (a name alone: <data_dir>/models/<name>); each needs its tokenizer in that dir
     models: str = ""
     key_prefix: str = "le"  # every Redis key starts with it (tests use random ones)
-    redis_cluster: bool = False  # LASTEVENT_REDIS_URL names a node of a Redis Cluster
+    redis_cluster: bool = False  # LASTEVENT_REDIS_URL names nodes of a Redis Cluster
+    # (a cluster's URL may list several seed nodes: "redis://a:6379,redis://b:6379")
+    # a Redis node that answers nothing for this long past a command's own wait (frozen,
+    # partitioned: its sockets open, no reply) is given up, and the slot map learnt again
+    # (service/store/pool.py); keep it under the cluster's node timeout
+    redis_silent_s: float = 2.0
     # requests are spread over this many partitions, one cluster slot each (the same in
     # every process; changed only with no request in flight): keys.py
     partitions: int = 1

@@ -16,13 +16,13 @@ from redis.asyncio import Redis
 from service import aio
 from service.ledger.ledger import Ledger, make_engine
 from service.settings import Settings
-from service.store import commit
+from service.store import commit, pool
 from service.store.commit import Committer
 from service.store.keys import Keys
 from service.store.log import RedisLog
 from service.store.models import parse_lora_modules
 from service.store.outbox import Outbox
-from service.store.pool import connect, warm
+from service.store.pool import warm
 from service.tokenize import ModelInfo
 from workers.engines.base import Engine
 from workers.metrics import serve_metrics
@@ -111,7 +111,7 @@ async def serve(settings: Settings) -> None:
     serve_metrics(settings.metrics_port, settings.host)
     model = ModelInfo.load(settings.resolved_model_dir, settings.model_name)
     engine = build_engine(settings, model)
-    redis = connect(settings.redis_url, max_connections=64, cluster=settings.redis_cluster)
+    redis = pool.of(settings, 64)
     await warm(redis)
     runner = Runner(settings, redis, engine, model)
     await commit.started(runner.log.committer, "worker")  # (before minutes of engine load)
@@ -178,7 +178,7 @@ async def serve_recorder(settings: Settings) -> None:
     if not settings.redis_url or not settings.database_url:
         raise SystemExit("LASTEVENT_REDIS_URL and LASTEVENT_DATABASE_URL must be set")
     serve_metrics(settings.metrics_port, settings.host)
-    redis = connect(settings.redis_url, max_connections=8, cluster=settings.redis_cluster)
+    redis = pool.of(settings, 8)
     await warm(redis)
     db = make_engine(settings.database_url)
     recorder = build_recorder(settings, redis, Ledger(db))

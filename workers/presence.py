@@ -30,6 +30,7 @@ class PresenceWatch:
         *,
         check_s: float,
         park_after_s: float = -1,
+        silent_s: float = 2.0,
         undecided: Callable[[], Collection[str]],
         decide: Callable[[str, State], None],
     ) -> None:
@@ -37,6 +38,7 @@ class PresenceWatch:
         self.control = control
         self.worker_id = worker_id
         self.check_s = check_s
+        self.silent_s = silent_s  # the control channel's node may be silent this long
         self.park_after_ms = -1 if park_after_s < 0 else int(park_after_s * 1000)
         self._undecided = undecided
         self._decide = decide
@@ -92,7 +94,7 @@ class PresenceWatch:
 
     async def _listen(self) -> None:
         """Cancels (and nudges) published to this worker's channel, acted on at once."""
-        async for verb, rid in self.control.messages(self.worker_id):
+        async for verb, rid in self.control.messages(self.worker_id, silent_s=self.silent_s):
             if verb == "cancel":
                 self._decide(rid, State.CANCELLED)
             elif verb == "check" and rid in self._undecided():

@@ -60,7 +60,9 @@ class Runner:
         self.heartbeats = Heartbeats(redis, keys)
         self.control = Control(redis, keys)
         # held while this process lives: the API processes see it go the moment it dies
-        self.announcer = Announcer(redis, keys, settings.worker_id, self._beat)
+        self.announcer = Announcer(
+            redis, keys, settings.worker_id, self._beat, silent_s=settings.redis_silent_s
+        )
         self.batcher = AppendBatcher(self.log, interval_s=settings.flush_interval_ms / 1000)
         self.generation = Generation(engine, model, self.batcher, settings.request_deadline_s)
         self.watch = PresenceWatch(
@@ -68,6 +70,7 @@ class Runner:
             settings.worker_id,
             check_s=settings.presence_check_s,
             park_after_s=settings.park_after_s,
+            silent_s=settings.redis_silent_s,
             undecided=lambda: [r for r, s in self.serve.running.items() if s.decided is None],
             decide=self.decide,
         )

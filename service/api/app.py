@@ -41,7 +41,7 @@ from service.ledger.api_keys import ApiKeys
 from service.ledger.audit import Audit
 from service.ledger.ledger import Ledger, PostgresUnavailable, make_engine
 from service.settings import Settings
-from service.store import commit
+from service.store import commit, pool, tail
 from service.store.commit import Committer
 from service.store.control import Control
 from service.store.heartbeats import Heartbeats
@@ -50,7 +50,7 @@ from service.store.limits import Limits
 from service.store.liveness import Observer
 from service.store.log import RedisLog, Retention
 from service.store.models import ModelRegistry
-from service.store.pool import UNREACHABLE, connect, warm
+from service.store.pool import UNREACHABLE, warm
 from service.store.presence import Presence
 from service.store.queue import RequestQueue
 from service.store.shared import IdempotencyKeys
@@ -178,14 +178,9 @@ async def serving(
     """The process's clients, stores and background tasks, for as long as it serves."""
     if not settings.redis_url:
         raise RuntimeError("LASTEVENT_REDIS_URL is not set (use `lastevent up` for embedded)")
-    redis = connect(settings.redis_url, max_connections=256, cluster=settings.redis_cluster)
-    # the tailer's XREAD BLOCK outlives redis-py's default 5 s socket timeout
-    tail_redis = connect(
-        settings.redis_url,
-        max_connections=64,
-        cluster=settings.redis_cluster,
-        socket_timeout=settings.tail_block_ms / 1000 + 5,
-    )
+    redis = pool.of(settings, 256)
+    # the tailer's shards block up to a second (tail.SWEEP_S) or tail_block_ms
+    tail_redis = pool.of(settings, 64, longest_wait_s=tail.longest_block_s(settings.tail_block_ms))
     await warm(redis)
     await warm(tail_redis)
     keys = Keys(settings.key_prefix, settings.partitions)

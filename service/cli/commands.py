@@ -14,11 +14,11 @@ from service.api import billing
 from service.ledger.api_keys import ApiKeys
 from service.ledger.ledger import Ledger, make_engine
 from service.settings import Settings
-from service.store import commit
+from service.store import commit, pool
 from service.store.keys import Keys
 from service.store.log import RedisLog
 from service.store.outbox import Outbox
-from service.store.pool import connect, warm
+from service.store.pool import warm
 from service.stream import replay
 
 T = TypeVar("T")
@@ -63,7 +63,7 @@ class Stores:
     def __init__(self, settings: Settings) -> None:
         if not settings.redis_url or not settings.database_url:
             raise SystemExit("LASTEVENT_REDIS_URL and LASTEVENT_DATABASE_URL must be set")
-        self.redis = connect(settings.redis_url, max_connections=4, cluster=settings.redis_cluster)
+        self.redis = pool.of(settings, 4)
         self.engine = make_engine(settings.database_url)
         keys = Keys(settings.key_prefix, settings.partitions)
         committer = commit.of(settings, self.redis, keys)  # replays show what is committed

@@ -24,9 +24,9 @@ from service.ledger.api_keys import ApiKeys
 from service.ledger.ledger import make_engine
 from service.ledger.migrate import upgrade
 from service.settings import Settings
+from service.store import pool
 from service.store.heartbeats import Heartbeats
 from service.store.keys import Keys
-from service.store.pool import connect
 
 
 def up(settings: Settings) -> None:
@@ -113,7 +113,7 @@ def _wait_until_serving(settings: Settings, children: list[subprocess.Popen[byte
     deadline = time.monotonic() + 300
 
     async def workers() -> bool:
-        redis = connect(settings.redis_url or "", max_connections=1, cluster=settings.redis_cluster)
+        redis = pool.of(settings, 1)
         try:
             beats = Heartbeats(redis, Keys(settings.key_prefix, settings.partitions))
             served = {m for b in await beats.live(settings.worker_stale_s) for m in b.models}

@@ -41,7 +41,7 @@ from redis.exceptions import ResponseError, SlotNotCoveredError
 from service.settings import Settings
 from service.store import replies
 from service.store.keys import Keys
-from service.store.pool import STORE_ERRORS
+from service.store.pool import STORE_ERRORS, relearn
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,7 @@ class Committer:
         self._waiting: dict[int, list[asyncio.Future[None]]] = {}  # for the next barrier
         self._busy: set[int] = set()  # partitions with a barrier on its way
         self._tasks: set[asyncio.Task[None]] = set()
+        self._relearning: asyncio.Task[None] | None = None
         self.barriers = 0  # barriers sent (tests, benchmarks)
 
     @property
@@ -177,11 +178,26 @@ class Committer:
     async def _send(self, partition: int) -> None:
         self.barriers += 1
         key = self.keys.commit(partition)
-        reply = await _on_one_connection(
-            self.redis, key, [("INCR", key), ("WAIT", 1, self.timeout_ms)]
-        )
+        try:
+            reply = await _on_one_connection(
+                self.redis, key, [("INCR", key), ("WAIT", 1, self.timeout_ms)]
+            )
+        except STORE_ERRORS:
+            self._relearn(key)
+            raise
         if replies.integer(reply[1]) < 1:
             raise Uncommitted(f"no replica acknowledged within {self.timeout_ms} ms")
+
+    def _relearn(self, key: str) -> None:
+        """A barrier goes to the node the slot map names, outside the client's routing, so
+        its failure teaches the client nothing: a dead or frozen primary would be asked
+        again for ever while its replica serves the slot. One routed command (in the
+        background, one at a time: the readers are told at once) learns the map again."""
+        if self._relearning is None or self._relearning.done():
+            bound_s = self.timeout_ms / 1000 + 2.0
+            self._relearning = asyncio.get_running_loop().create_task(
+                relearn(self.redis, key, bound_s), name="commit-relearn"
+            )
 
     async def check(self) -> str:
         """Whether every primary can give this level: raises ``Misconfigured`` (what is

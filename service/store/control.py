@@ -20,13 +20,15 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.client import PubSub
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from service.store import replies, scripts
 from service.store.keys import Keys
 from service.store.limits import free_slots
 from service.store.log import Retention
-from service.store.pool import survived
+from service.store.pool import relearn, survived
 from service.stream import events as ev
 from service.stream.endings import Ending
 from service.stream.lifecycle import Meta, State
@@ -153,21 +155,44 @@ class Control:
         delivered, present = await pipe.execute()
         return Delivery(replies.integer(delivered), replies.integer(present) > 0)
 
-    async def messages(self, worker_id: str) -> AsyncIterator[tuple[str, str]]:
+    async def messages(
+        self, worker_id: str, *, silent_s: float = 2.0
+    ) -> AsyncIterator[tuple[str, str]]:
         """``(verb, request id)`` published to a worker's channel (``cancel``, ``check``),
-        for ever. After a failure the subscription is made again; the owner's periodic
-        check covers what was published meanwhile."""
+        for ever. After a failure the subscription is made again (the slot map learnt
+        again first: its node may be gone); the owner's periodic check covers what was
+        published meanwhile. The subscription is pinged every half ``silent_s`` and given
+        up when its node answered nothing for ``silent_s`` (frozen, partitioned)."""
         channel = self.keys.control(worker_id)
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(channel)
-                async for message in pubsub.listen():
-                    verb, _, rid = replies.text(message["data"]).partition(":")
+                async for data in _listened(pubsub, silent_s):
+                    verb, _, rid = replies.text(data).partition(":")
                     yield verb, rid
             except Exception as exc:  # noqa: BLE001 - the channel must go on
                 survived("the control channel (subscribing again)", exc)
-                await asyncio.sleep(0.5)
+                await relearn(self.redis, channel, silent_s + 1.0)
+                await asyncio.sleep(0.2)
             finally:
                 with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py: untyped
+                    await pubsub.aclose()
+
+
+async def _listened(pubsub: PubSub, silent_s: float) -> AsyncIterator[Any]:
+    """The data of the messages a subscription receives; raises once its node answered
+    nothing (no message, no pong) for ``silent_s``."""
+    heard = time.monotonic()
+    while True:
+        message = await pubsub.get_message(timeout=silent_s / 2)
+        if message is None:
+            if time.monotonic() - heard >= silent_s:
+                raise RedisConnectionError(
+                    f"the control channel's node answered nothing for {silent_s:g} s"
+                )
+            await pubsub.ping()
+            continue
+        heard = time.monotonic()
+        if message.get("type") == "message":
+            yield message["data"]

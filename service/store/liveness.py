@@ -23,9 +23,8 @@ keeps its connection: the heartbeat stays for those, unchanged.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import math
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -36,7 +35,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from service.store import replies
 from service.store.keys import Keys
-from service.store.pool import STORE_ERRORS, survived
+from service.store.pool import relearn as relearn_key
+from service.store.pool import survived
 
 log = logging.getLogger(__name__)
 
@@ -98,16 +98,21 @@ def node_connection(redis: Redis, key: str, **overrides: Any) -> tuple[AbstractC
     return pool.connection_class(**{**pool.connection_kwargs, **overrides}), "single"
 
 
-async def relearn(redis: Redis, keys: Keys) -> None:
-    """After a failure on a cluster: one command through the cluster client, which learns
-    the slot map again on a connection error or a redirect."""
-    with contextlib.suppress(*STORE_ERRORS):
-        await redis.exists(keys.workers)
+async def relearn(redis: Redis, keys: Keys, timeout_s: float = 3.0) -> None:
+    """After a failure on a connection of our own to the heartbeats' node: the cluster
+    client learns the slot map again (``pool.relearn``), so the next connection goes to
+    the node that serves the heartbeats now."""
+    await relearn_key(redis, keys.workers, timeout_s)
 
 
 class Announcer:
     """A worker's named connection, subscribed to its ``alive`` channel while it lives.
-    ``announced`` runs each time the subscription is (re)made (a heartbeat at once)."""
+    ``announced`` runs each time the subscription is (re)made (a heartbeat at once).
+
+    The connection is pinged every half ``silent_s``, and given up when the node answered
+    nothing for ``silent_s``: a frozen or partitioned node keeps the socket open and says
+    nothing, and a subscription that waited on it for ever would never follow the slot to
+    the replica that took over (nor would the API processes see the worker there)."""
 
     def __init__(
         self,
@@ -115,9 +120,12 @@ class Announcer:
         keys: Keys,
         worker_id: str,
         announced: Callable[[], Awaitable[None]],
+        *,
+        silent_s: float = 2.0,
     ) -> None:
         self.redis = redis
         self.keys = keys
+        self.silent_s = silent_s
         self.worker_id = worker_id
         self.name = NAME_PREFIX + "".join(c if "!" <= c <= "~" else "_" for c in worker_id)
         self._announced = announced
@@ -141,14 +149,12 @@ class Announcer:
 
     async def _hold(self) -> None:
         channel = self.keys.alive(self.worker_id)
-        conn, node = node_connection(
-            self.redis, self.keys.workers, socket_timeout=None, client_name=self.name
-        )
+        conn, node = node_connection(self.redis, self.keys.workers, client_name=self.name)
         try:
             await conn.connect()  # type: ignore[no-untyped-call]
             await conn.send_command("SSUBSCRIBE", channel)
             # (redis-py hands a subscription's replies only to a read that asks for them)
-            reply = await conn.read_response(timeout=math.inf, push_request=True)
+            reply = await conn.read_response(timeout=self.silent_s, push_request=True)
             if not isinstance(reply, list) or replies.text(reply[0]).lower() != "ssubscribe":
                 raise RedisConnectionError(f"SSUBSCRIBE answered {reply!r}")
             self.connections += 1
@@ -159,17 +165,31 @@ class Announcer:
             except Exception as exc:  # noqa: BLE001 - the next heartbeat says it
                 survived("a heartbeat after connecting", exc)
             self.connected.set()  # (subscribed and announced: an observer sees both)
-            while True:  # nothing is published: a reply is the slot moving, or an error
-                message = await conn.read_response(timeout=math.inf, push_request=True)
-                if isinstance(message, list) and message:
-                    kind = replies.text(message[0]).lower()
-                    if kind == "sunsubscribe":  # the slot moved: follow it to its node
-                        log.info("the heartbeats' slot moved from %s", node)
-                        await relearn(self.redis, self.keys)
-                        return
+            await self._listen(conn, node)
         finally:
             self.connected.clear()
             await conn.disconnect()
+
+    async def _listen(self, conn: AbstractConnection, node: str) -> None:
+        """Until the slot moves (``sunsubscribe``) or the node is silent for ``silent_s``
+        (raises). Nothing is published: a reply is a pong, the slot moving, or an error."""
+        heard = time.monotonic()
+        while True:
+            message = await conn.read_response(timeout=self.silent_s / 2, push_request=True)
+            if message is None:  # (the wait ran out)
+                if time.monotonic() - heard >= self.silent_s:
+                    raise RedisConnectionError(
+                        f"{node} answered nothing for {self.silent_s:g} s (frozen, partitioned)"
+                    )
+                await conn.send_command("PING")
+                continue
+            heard = time.monotonic()
+            if isinstance(message, list) and message:
+                kind = replies.text(message[0]).lower()
+                if kind == "sunsubscribe":  # the slot moved: follow it to its node
+                    log.info("the heartbeats' slot moved from %s", node)
+                    await relearn(self.redis, self.keys)
+                    return
 
 
 class Observer:

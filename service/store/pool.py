@@ -12,13 +12,17 @@ opening a connection, paid 256 times in a burst of new streams. It is read once 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
 from importlib.metadata import version
 from typing import Any, cast
+from urllib.parse import urlsplit
 
 import hiredis
 from redis.asyncio import BlockingConnectionPool, Connection, Redis, RedisCluster
+from redis.asyncio.cluster import ClusterNode
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import (
@@ -30,6 +34,8 @@ from redis.exceptions import (
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from service.settings import Settings
 
 # What "Redis cannot be reached now" looks like: a dead connection or a timeout, and on a
 # cluster a failover in progress (CLUSTERDOWN, TRYAGAIN, a slot nobody serves yet). Callers
@@ -136,28 +142,110 @@ def _retry() -> dict[str, Any]:
     }
 
 
+def _silence(silent_s: float, longest_wait_s: float) -> dict[str, Any]:
+    """How long a connection waits on a node that answers nothing: a command is given up
+    ``silent_s`` after its own longest wait (a blocked read's ``BLOCK``, ``WAIT``'s
+    timeout), and so is a connection attempt (a host that vanished drops SYNs). A frozen or
+    partitioned node keeps its sockets open and never answers: without a socket timeout a
+    command waits on it for ever (a single node's client had none; a cluster's 5 s, longer
+    than its election). TCP keepalive (on) notices a host gone from under an idle pooled
+    connection; it cannot notice a frozen process, whose kernel still answers the probes."""
+    if silent_s <= 0:
+        raise ValueError(f"LASTEVENT_REDIS_SILENT_S must be positive (got {silent_s})")
+    return {
+        "socket_timeout": longest_wait_s + silent_s,
+        "socket_connect_timeout": silent_s,
+        "socket_keepalive": True,
+    }
+
+
+def seeds(url: str) -> list[str]:
+    """The node URLs of ``LASTEVENT_REDIS_URL``: one, or (a cluster) several separated by
+    commas; a later one may omit the scheme and credentials (``host:port``): the first's."""
+    parts = [p.strip() for p in url.split(",") if p.strip()]
+    if not parts:
+        raise ValueError("LASTEVENT_REDIS_URL is empty")
+    first = urlsplit(parts[0])
+    out = [parts[0]]
+    for part in parts[1:]:
+        if "://" not in part:
+            userinfo = first.netloc.rpartition("@")[0]
+            part = f"{first.scheme}://{userinfo + '@' if userinfo else ''}{part}"
+        out.append(part)
+    return out
+
+
 def connect(
-    url: str, max_connections: int, *, wait_s: float = 30.0, cluster: bool = False, **kwargs: Any
+    url: str,
+    max_connections: int,
+    *,
+    wait_s: float = 30.0,
+    cluster: bool = False,
+    silent_s: float = 2.0,
+    longest_wait_s: float = 1.0,
+    **kwargs: Any,
 ) -> Redis:
-    """A client of one Redis, or (``cluster``) of the Redis Cluster ``url`` names a node of.
+    """A client of one Redis, or (``cluster``) of the Redis Cluster whose nodes ``url``
+    names (one or several seed nodes: a process that starts while a seed is dead still
+    finds the cluster through another).
 
     A cluster client is typed as ``Redis``: it answers the same commands, routed by key
     slot (every multi-key call of this project names keys of one slot: ``keys.py``). Its
     pools are per node and do not wait for a free connection: ``max_connections`` is per
-    node and set higher (the tailer's blocked reads hold one each)."""
-    kwargs = {**_driver_info(), **_retry(), **kwargs}
+    node and set higher (the tailer's blocked reads hold one each). ``longest_wait_s``: the
+    longest a command sent on this client waits by itself (see ``_silence``)."""
+    kwargs = {**_driver_info(), **_retry(), **_silence(silent_s, longest_wait_s), **kwargs}
+    urls = seeds(url)
     if cluster:
-        client = RedisCluster.from_url(url, max_connections=max(4 * max_connections, 64), **kwargs)
+        others = [urlsplit(u) for u in urls[1:]]
+        kwargs["startup_nodes"] = [ClusterNode(u.hostname or "", u.port or 6379) for u in others]
+        client = RedisCluster.from_url(
+            urls[0], max_connections=max(4 * max_connections, 64), **kwargs
+        )
         # (its constructor names redis-py's own connection class: the nodes it knows and
         # the ones it learns get this one)
         client.nodes_manager.connection_kwargs["connection_class"] = _Connection
         for node in client.nodes_manager.startup_nodes.values():
             node.connection_class = _Connection
         return cast(Redis, client)
+    if len(urls) > 1:
+        raise ValueError(
+            "LASTEVENT_REDIS_URL names several nodes: that is a Redis Cluster's seed list "
+            "(set LASTEVENT_REDIS_CLUSTER=1), one URL otherwise"
+        )
     pool = BlockingConnectionPool.from_url(
         url, max_connections=max_connections, timeout=wait_s, connection_class=_Connection, **kwargs
     )
     return Redis.from_pool(pool)
+
+
+def of(settings: Settings, max_connections: int, **kwargs: Any) -> Redis:
+    """The client a process of ``settings`` uses for ordinary commands: the longest any of
+    them waits by itself is a commit barrier's ``WAIT`` or a blocked claim or outbox read
+    (one second)."""
+    longest = max(settings.commit_timeout_ms / 1000, 1.0)
+    kwargs.setdefault("longest_wait_s", longest)
+    return connect(
+        settings.redis_url or "",
+        max_connections,
+        cluster=settings.redis_cluster,
+        silent_s=settings.redis_silent_s,
+        **kwargs,
+    )
+
+
+async def relearn(redis: Redis, key: str, timeout_s: float | None = None) -> None:
+    """After a failure on a connection made outside the cluster client's routing (a
+    commit barrier, a subscription, the liveness poll): one command for ``key`` through
+    the client, which learns the slot map again on a connection error, a timeout or a
+    redirect, so that the next connection goes to whichever node serves the slot now.
+    Nothing for a single node (its next connection is made by name: a DNS name that moved
+    is followed). Bounded: a node that answers nothing is not waited on past ``timeout_s``."""
+    if not is_cluster(redis):
+        return
+    with contextlib.suppress(*STORE_ERRORS, TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            await redis.exists(key)
 
 
 def is_cluster(redis: Redis) -> bool:

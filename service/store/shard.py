@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 
 WAKE_COUNT = 10_000  # wake entries taken in one read
 STOP_WAIT_S = 2.0  # a stopping shard waits this long for its loop to end
+# a failed read is tried again after this long, doubled up to the cap: small, so that a
+# shard follows a failover within a fraction of a second of the slot map's change (a read
+# against a dead node fails at once; one against a frozen node waits its socket timeout)
+BACKOFF_S = (0.05, 0.5)
 
 
 class Shard:

@@ -39,6 +39,12 @@ SWEEP_S = 1.0  # a shard reads all of its logs this often (what a lost notificat
 _START = EventId(0, 0)
 
 
+def longest_block_s(block_ms: int) -> float:
+    """The longest a shard's blocked read waits by itself (its socket timeout is this plus
+    ``LASTEVENT_REDIS_SILENT_S``): it blocks until its next sweep at most."""
+    return min(block_ms / 1000, SWEEP_S) + 0.01
+
+
 class Subscription:
     """One reader's view of one log: an async iterator of event batches."""
 
