@@ -69,6 +69,7 @@ class Node:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.node_timeout_ms = node_timeout_ms
         self.proc: subprocess.Popen[bytes] | None = None
+        self.paused = False  # SIGSTOP: its sockets open, nothing answered
 
     def start(self, *, first: bool = False) -> None:
         """Start the server; the ``first`` time, on new ports if one was taken meanwhile
@@ -141,10 +142,16 @@ class Node:
     def pause(self) -> None:
         assert self.proc is not None
         os.killpg(self.proc.pid, signal.SIGSTOP)
+        self.paused = True
 
     def resume(self) -> None:
         assert self.proc is not None
         os.killpg(self.proc.pid, signal.SIGCONT)
+        self.paused = False
+
+    def offset(self) -> int:
+        """How much of the replication stream this node has (a replica's catch-up)."""
+        return int(self.client().info("replication").get("master_repl_offset", 0))
 
     def info(self) -> dict[str, str]:
         raw = self.client().execute_command("CLUSTER", "INFO")
@@ -232,8 +239,20 @@ class LocalCluster:
     def client(self) -> redis.RedisCluster:
         return redis.RedisCluster.from_url(self.url, socket_timeout=5)
 
+    @property
+    def seeds(self) -> str:
+        """Every node as a seed (``LASTEVENT_REDIS_URL``'s list): a process that starts
+        while one of them is dead for good finds the cluster through another."""
+        first, *rest = self.nodes
+        return ",".join(
+            [f"redis://127.0.0.1:{first.port}/0", *(f"127.0.0.1:{n.port}" for n in rest)]
+        )
+
     def live(self) -> list[Node]:
-        return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+        """The nodes running and not frozen."""
+        return [
+            n for n in self.nodes if n.proc is not None and n.proc.poll() is None and not n.paused
+        ]
 
     def primary_of(self, key: str) -> Node:
         """The node serving ``key``'s slot now (as a live node sees the cluster)."""
@@ -254,12 +273,21 @@ class LocalCluster:
         n = len(self.primaries)
         return [r for j, r in enumerate(self.nodes[n:]) if j % n == i]
 
+    def wait_promoted(self, dead: Node, timeout_s: float = 60.0) -> Node:
+        """Wait until a replica of ``dead`` is a primary (polled every 50 ms)."""
+        replicas = [r for r in self.replicas_of(dead) if r in self.live()]
+        _wait("a replica promoted", lambda: any(r.role() == "master" for r in replicas), timeout_s)
+        return next(r for r in replicas if r.role() == "master")
+
     def wait_failover(self, dead: Node, timeout_s: float = 60.0) -> Node:
         """Wait until a replica of ``dead`` is a primary and the cluster is ok again."""
-        replicas = self.replicas_of(dead)
-        _wait("a replica promoted", lambda: any(r.role() == "master" for r in replicas), timeout_s)
+        promoted = self.wait_promoted(dead, timeout_s)
         _wait("cluster_state ok after the failover", self._ok, timeout_s)
-        return next(r for r in replicas if r.role() == "master")
+        return promoted
+
+    def wait_rejoined(self, node: Node, timeout_s: float = 60.0) -> None:
+        """Wait until ``node`` (a failed-over primary, woken or restarted) is a replica."""
+        _wait(f"{node.port} rejoins as a replica", lambda: node.role() == "slave", timeout_s)
 
     def stop(self) -> None:
         for node in self.nodes:

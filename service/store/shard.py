@@ -158,7 +158,7 @@ class Shard:
             self._reregister = True
 
     async def _run(self) -> None:
-        backoff = 0.05
+        backoff = BACKOFF_S[0]
         while True:
             try:
                 if self._reregister:
@@ -178,12 +178,12 @@ class Shard:
                     {self._wake_key: self._wake_last}, count=WAKE_COUNT, block=block
                 )
                 self.reads += 1
-                backoff = 0.05
+                backoff = BACKOFF_S[0]
             except Exception as exc:  # noqa: BLE001 - a shard's readers must not be left
                 survived(f"log tail read (retrying in {backoff:.2f} s)", exc)
                 self._reregister = True
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                backoff = min(backoff * 2, BACKOFF_S[1])
                 continue
             for _key, entries in replies.streams_of(reply):
                 self._woken(entries)

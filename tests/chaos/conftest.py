@@ -100,6 +100,7 @@ class Client:
     _reading: asyncio.Task[None] | None = None
     accepted_at: float | None = None
     ended_at: float | None = None
+    served_by: list[tuple[float, str]] = dataclasses.field(default_factory=list)  # (when, API)
 
     @property
     def ended(self) -> bool:
@@ -120,7 +121,9 @@ class Client:
 
     def url(self, attempt: int) -> str:
         """Resumes go round the API processes: any replica serves any request."""
-        return self.urls[(self.index + attempt) % len(self.urls)]
+        url = self.urls[(self.index + attempt) % len(self.urls)]
+        self.served_by.append((time.monotonic(), url))
+        return url
 
     async def run(self, http: httpx.AsyncClient, body: dict[str, Any]) -> None:
         attempt = 0
@@ -332,12 +335,15 @@ async def drive(
     tokens_before_fault: int = 30,
     cut_every: int = 2,
     safety_s: float = 120.0,
+    read_timeout_s: float = 30.0,
 ) -> Outcome:
     """``early`` clients stream; once each has ``tokens_before_fault`` tokens the fault
     begins (and every ``cut_every``-th early client's connection drops: it resumes), then
     ``during`` more clients start submitting, it lasts ``fault.down_s``, ends; then
     ``after`` more clients start. Returns once every client is done or gave up."""
-    timeout = httpx.Timeout(30.0, connect=10.0)
+    # (read_timeout_s: a client that hears nothing -- no event, no `: ping` -- this long
+    # takes the connection for dead and resumes elsewhere, as a mobile client's watchdog)
+    timeout = httpx.Timeout(read_timeout_s, connect=10.0)
     limits = httpx.Limits(max_connections=200, max_keepalive_connections=50)
     clients: list[Client] = []
     tasks: list[asyncio.Task[None]] = []

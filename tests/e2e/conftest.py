@@ -13,12 +13,15 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 import redis
+from redis.cluster import ClusterNode
 
 from service.settings import MODEL_NAME, Settings
+from service.store.pool import seeds
 from tests.conftest import CLUSTER
 
 
@@ -34,6 +37,7 @@ class Stack:
     logs: Path
     procs: list[subprocess.Popen[bytes]] = dataclasses.field(default_factory=list)
     api_urls: list[str] = dataclasses.field(default_factory=list)
+    api_procs: dict[str, subprocess.Popen[bytes]] = dataclasses.field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -67,6 +71,7 @@ class Stack:
             try:
                 if httpx.get(url + "/readyz", timeout=1).status_code == 200:
                     self.api_urls.append(url)
+                    self.api_procs[url] = proc
                     return url
             except httpx.HTTPError:
                 pass
@@ -87,8 +92,11 @@ class Stack:
     def store(self) -> redis.Redis:
         """A client of the stack's Redis (of its cluster, when it runs on one)."""
         url = self.settings.redis_url or ""
-        if self.settings.redis_cluster:
-            return redis.RedisCluster.from_url(url)  # type: ignore[return-value]
+        if self.settings.redis_cluster:  # (a seed list: any node that answers)
+            nodes = [urlsplit(u) for u in seeds(url)]
+            return redis.RedisCluster(  # type: ignore[return-value]
+                startup_nodes=[ClusterNode(u.hostname or "", u.port or 6379) for u in nodes]
+            )
         return redis.Redis.from_url(url)
 
     def tail(self, name: str, n: int = 3000) -> str:
