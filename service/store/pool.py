@@ -142,6 +142,14 @@ def _retry() -> dict[str, Any]:
     }
 
 
+# A connection error or a timeout makes the cluster client learn the slot map again, at
+# most this often (redis-py's default is 1 s): a refresh right after a node's loss still
+# finds it serving (its replica not promoted yet), and the next one waited a second --
+# the whole of a stream's pause after an immediate promotion (1.2-1.4 s measured). A
+# refresh is one CLUSTER SLOTS, however many commands asked for it.
+TOPOLOGY_REFRESH_S = 0.2
+
+
 def _silence(silent_s: float, longest_wait_s: float) -> dict[str, Any]:
     """How long a connection waits on a node that answers nothing: a command is given up
     ``silent_s`` after its own longest wait (a blocked read's ``BLOCK``, ``WAIT``'s
@@ -200,7 +208,10 @@ def connect(
         others = [urlsplit(u) for u in urls[1:]]
         kwargs["startup_nodes"] = [ClusterNode(u.hostname or "", u.port or 6379) for u in others]
         client = RedisCluster.from_url(
-            urls[0], max_connections=max(4 * max_connections, 64), **kwargs
+            urls[0],
+            max_connections=max(4 * max_connections, 64),
+            topology_refresh_min_interval=TOPOLOGY_REFRESH_S,
+            **kwargs,
         )
         # (its constructor names redis-py's own connection class: the nodes it knows and
         # the ones it learns get this one)
