@@ -141,9 +141,9 @@ class Runner:
                     pending=lost_reply,
                 )
                 lost_reply = False
-            except Exception:  # Redis trouble, or a job that does not decode
+            except Exception as exc:  # noqa: BLE001 - Redis trouble, or a job that does not decode
                 jobs = []
-                log.exception("queue read failed")
+                survived("a queue read", exc)
                 # a read whose reply was lost left its jobs pending under this worker
                 lost_reply = True
                 await asyncio.sleep(0.5)

@@ -107,7 +107,7 @@ class Serve:
         # worker, continued from its log -- once Redis answers, until its deadline
         while not await self._serve_once(entry_id, job):
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
+            backoff = min(backoff * 2, 0.5)  # (a failover is followed within this)
 
     async def _serve_once(self, entry_id: bytes, job: Job) -> bool:
         """One try at ``job``: False if Redis could not be reached and it is to be tried

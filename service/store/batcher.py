@@ -35,7 +35,7 @@ class AppendBatcher:
     merges a fast request's steps meanwhile)."""
 
     def __init__(
-        self, log: RedisLog, *, max_backoff_s: float = 1.0, interval_s: float = 0.0
+        self, log: RedisLog, *, max_backoff_s: float = 0.25, interval_s: float = 0.0
     ) -> None:
         self._log = log
         self._interval_s = interval_s
