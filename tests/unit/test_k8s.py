@@ -548,13 +548,15 @@ def test_references_resolve(name: str) -> None:
         if template is None:
             continue
         spec = template["spec"]
-        if obj["kind"] == "Deployment":
+        if obj["kind"] in ("Deployment", "StatefulSet"):
             selector = obj["spec"]["selector"]["matchLabels"]
             assert selector.items() <= template["metadata"]["labels"].items()
         for volume in spec.get("volumes", []):
             if "persistentVolumeClaim" in volume:
                 find(objects, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
         volumes = {v["name"] for v in spec.get("volumes", [])}
+        # a StatefulSet's pods also mount a claim of each of its volumeClaimTemplates
+        volumes |= {t["metadata"]["name"] for t in obj["spec"].get("volumeClaimTemplates", [])}
         for c in containers(obj, init=True):
             env_of(objects, c)  # every ConfigMap it takes exists
             assert {m["name"] for m in c.get("volumeMounts", [])} <= volumes
@@ -783,6 +785,139 @@ def check_scaled_object(objects: tuple[dict[str, Any], ...], scaled: dict[str, A
     # a worker runs one claim loop per partition, each taking from its slots
     assert settings.partitions <= settings.worker_concurrency
     assert scaled["minReplicaCount"] >= 1, "scaled to zero, a request waits for a model load"
+
+
+# ---- the Redis Cluster overlay ----------------------------------------------------------
+
+REDIS_OPS = ROOT / "ops" / "redis-cluster"
+SHARD_LABEL = "lastevent.dev/redis-shard"
+HOSTNAME = "kubernetes.io/hostname"
+
+
+def redis_shards(objects: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
+    """The StatefulSets of the Redis Cluster's shards, by name."""
+    found = [
+        o
+        for o in objects
+        if o["kind"] == "StatefulSet" and SHARD_LABEL in o["spec"]["selector"]["matchLabels"]
+    ]
+    return sorted(found, key=lambda o: o["metadata"]["name"])
+
+
+def selects(selector: dict[str, str], template: dict[str, Any]) -> bool:
+    labels: dict[str, str] = template["metadata"]["labels"]
+    return selector.items() <= labels.items()
+
+
+def test_redis_cluster_two_replicas_per_primary_on_other_hosts() -> None:
+    """At `replica` a promoted replica needs a replica of its own to confirm to: each
+    shard is a primary and two replicas, no two of them on one host (nor two of the
+    primaries at creation), at most one of them drained at a time."""
+    objects = built("redis-cluster")
+    api = settings_of(objects, main_container(find(objects, "Deployment", "lastevent-api")))
+    assert api.redis_cluster and api.durability == "replica"
+    shards = redis_shards(objects)
+    assert len(shards) == 3, "three primaries"
+    assert api.partitions >= len(shards), "a primary with no partition"
+    for sts in shards:
+        name = sts["metadata"]["name"]
+        # a primary and its two replicas
+        assert sts["spec"]["replicas"] == 3, f"{name}: replicas {sts['spec']['replicas']}"
+        template = sts["spec"]["template"]
+        shard = sts["spec"]["selector"]["matchLabels"]
+        assert selects(shard, template)
+        assert sts["spec"].get("podManagementPolicy") == "Parallel", f"{name}: one pod at a time"
+        terms = template["spec"]["affinity"]["podAntiAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ]
+        # no two nodes of the shard on one host
+        assert any(
+            t["topologyKey"] == HOSTNAME
+            and t["labelSelector"]["matchLabels"].items()
+            >= {SHARD_LABEL: shard[SHARD_LABEL]}.items()
+            and selects(t["labelSelector"]["matchLabels"], template)
+            and not t.get("matchLabelKeys")
+            for t in terms
+        ), f"{name}: two nodes of the shard may share a host"
+        # nor two pods of one ordinal: the shards' first nodes on three hosts
+        assert any(
+            t["topologyKey"] == HOSTNAME
+            and t.get("matchLabelKeys") == ["apps.kubernetes.io/pod-index"]
+            and SHARD_LABEL not in t["labelSelector"]["matchLabels"]
+            and all(
+                selects(t["labelSelector"]["matchLabels"], o["spec"]["template"]) for o in shards
+            )
+            for t in terms
+        ), f"{name}: two primaries at creation may share a host"
+        budgets = [
+            o
+            for o in objects
+            if o["kind"] == "PodDisruptionBudget" and o["spec"]["selector"]["matchLabels"] == shard
+        ]
+        assert [b["spec"] for b in budgets] == [
+            {"maxUnavailable": 1, "selector": {"matchLabels": shard}}
+        ], f"{name}: no budget of one"
+
+
+def test_redis_cluster_job_makes_the_cluster_of_exactly_its_pods() -> None:
+    """The Job's shards are the StatefulSets' pods, each by the name it announces; the
+    nodes find each other by a Service that publishes pods before they are ready, and
+    lastevent and KEDA reach the cluster by one that resolves to the ready ones."""
+    objects = built("redis-cluster")
+    shards = redis_shards(objects)
+    announced = []
+    for sts in shards:
+        governing = find(objects, "Service", sts["spec"]["serviceName"])
+        assert governing["spec"]["clusterIP"] == "None"
+        assert governing["spec"].get("publishNotReadyAddresses") is True
+        assert selects(governing["spec"]["selector"], sts["spec"]["template"])
+        node = main_container(sts)
+        env = {
+            v["name"]: v.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+            for v in node["env"]
+        }
+        assert env == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
+        suffix = f".{governing['metadata']['name']}.$(POD_NAMESPACE).svc"
+        assert node["command"] == ["sh", "/etc/redis-cluster/start.sh"]
+        assert node["args"] == ["--cluster-announce-hostname", "$(POD_NAME)" + suffix]
+        mounts = {m["mountPath"]: m["name"] for m in node["volumeMounts"]}
+        assert mounts["/data"] in {
+            t["metadata"]["name"] for t in sts["spec"]["volumeClaimTemplates"]
+        }
+        assert port_number(node, "redis") == 6379
+        name = sts["metadata"]["name"]
+        announced.append(" ".join(f"{name}-{i}{suffix}" for i in range(sts["spec"]["replicas"])))
+    job = find(objects, "Job", "redis-cluster-create")
+    create = main_container(job)
+    assert create["command"] == ["sh", "/etc/redis-cluster/create.sh"]
+    values = {v["name"]: v.get("value") for v in create["env"]}
+    assert values["REDIS_CLUSTER_SHARDS"] == "; ".join(announced)
+    # the scripts and redis.conf are mounted from the ConfigMap of ops/redis-cluster's copies
+    for obj in [*shards, job]:
+        (volume,) = [v for v in obj["spec"]["template"]["spec"]["volumes"] if "configMap" in v]
+        assert volume["configMap"]["name"] == "redis-cluster"
+        mounts = {m["name"]: m["mountPath"] for m in main_container(obj)["volumeMounts"]}
+        assert mounts[volume["name"]] == "/etc/redis-cluster"
+    # lastevent's URL and KEDA's addresses: the Service of the ready nodes
+    api = main_container(find(objects, "Deployment", "lastevent-api"))
+    url = urlsplit(settings_of(objects, api).redis_url or "")
+    service = find(objects, "Service", url.hostname or "")
+    assert not service["spec"].get("publishNotReadyAddresses")
+    assert all(selects(service["spec"]["selector"], o["spec"]["template"]) for o in shards)
+    assert env_of(objects, api)["REDIS_ADDRESSES"] == f"{url.hostname}:{url.port}"
+
+
+def test_redis_cluster_files_are_ops_copies() -> None:
+    """The overlay's ConfigMap carries ops/redis-cluster's files, unchanged (kustomize
+    reads no file outside the overlay): after editing one there, copy it here."""
+    configmap = find(built("redis-cluster"), "ConfigMap", "redis-cluster")
+    files = {p.name: p.read_text() for p in sorted(REDIS_OPS.iterdir())}
+    assert set(configmap["data"]) == set(files)
+    for name, text in files.items():
+        assert configmap["data"][name] == text, (
+            f"ops/redis-cluster/{name} changed: copy it into the ConfigMap of "
+            "ops/k8s/overlays/redis-cluster/redis-cluster.yaml (each line indented 4 spaces)"
+        )
 
 
 def load_generator() -> Any:
