@@ -48,6 +48,11 @@ test-chaos: $(STAMP)  ## the chaos tier: Redis killed, crashed, restarted, pause
 	fi
 	$(BIN)/python -m pytest -m chaos tests/chaos $(PYTEST_ARGS)
 
+SOAK_ARGS ?=
+
+soak: $(STAMP)  ## seeded random faults (workers, APIs, Redis, Postgres, cuts) under streaming clients, then a checker; SOAK_MINUTES (3), SOAK_ARGS="--seed N --topology cluster"
+	$(BIN)/python -m tests.chaos.soak $(SOAK_ARGS)
+
 CLIENTS_DIR := tests/clients
 
 $(CLIENTS_DIR)/node_modules/.installed: $(CLIENTS_DIR)/package.json $(CLIENTS_DIR)/package-lock.json
@@ -127,4 +132,4 @@ lint: $(STAMP)  ## the static gates CI runs first: ruff, ruff format, mypy stric
 clean:  ## remove the virtualenv and caches (not the data dir)
 	rm -rf $(VENV) $(VLLM_VENV) $(GUIDELLM_VENV) .pytest_cache .hypothesis .cache
 
-.PHONY: help install run test test-cluster test-chaos test-clients test-vllm bench bench-durability bench-cluster bench-takeover bench-park bench-ledger bench-cpu bench-vllm bench-guidellm test-fast lint clean
+.PHONY: help install run test test-cluster test-chaos soak test-clients test-vllm bench bench-durability bench-cluster bench-takeover bench-park bench-ledger bench-cpu bench-vllm bench-guidellm test-fast lint clean
