@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import io
 import logging
 import os
 import signal
@@ -123,7 +122,7 @@ async def serve(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, runner.stop)
-    loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
+    aio.dump_tasks_on_sigusr1()
     log.info("worker %s ready (engine %s)", settings.worker_id, engine.name)
     recording = asyncio.create_task(recorder.run()) if recorder else None
     try:
@@ -160,18 +159,9 @@ async def _leave_nothing_running(timeout_s: float = 5.0) -> None:
         _, stuck = await asyncio.wait(others, timeout=timeout_s)
         if stuck:
             log.error("%d task(s) would not stop; exiting anyway", len(stuck))
-            dump_tasks()
+            aio.dump_tasks()
             logging.shutdown()
             os._exit(0)
-
-
-def dump_tasks() -> None:
-    """SIGUSR1: log where every asyncio task of this worker is waiting (a hung worker)."""
-    out = io.StringIO()
-    for task in asyncio.all_tasks():
-        out.write(f"--- {task.get_name()}\n")
-        task.print_stack(file=out)
-    log.warning("asyncio tasks:\n%s", out.getvalue())
 
 
 async def serve_recorder(settings: Settings) -> None:

@@ -20,6 +20,7 @@ from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
 from redis.asyncio import Redis
 
+from service import aio
 from service.api import tokens
 from service.api.admission import Admission
 from service.api.auth import Authenticator, Principal
@@ -298,6 +299,7 @@ def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         async with serving(settings, models, drain) as ctx:
+            aio.dump_tasks_on_sigusr1()  # a hung API: where its tasks wait
             app.state.ctx = ctx
             yield
 
