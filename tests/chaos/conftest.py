@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -593,7 +594,38 @@ def false_takeovers(stack: Stack) -> list[str]:
 
 
 def logs_of(stack: Stack, n: int = 4000) -> str:
-    """The tails of every process's log (for failure messages)."""
+    """What every process logged, for a failure message: each process is first asked to
+    log where its tasks wait (SIGUSR1), and a line repeated with only its time changed is
+    written once with its count, so that the story fits the tail a CI run shows."""
+    for proc in stack.procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGUSR1)
+    time.sleep(1.0)
     return "\n".join(
-        f"--- {p.stem} ---\n{stack.tail(p.stem, n)}" for p in sorted(stack.logs.glob("*.log"))
+        f"--- {p.stem} ---\n{collapsed(p.read_text(errors='replace'))[-n:]}"
+        for p in sorted(stack.logs.glob("*.log"))
     )
+
+
+_STAMP = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+")
+
+
+def collapsed(text: str) -> str:
+    """``text`` with each run of lines that differ only in their time stamp written once:
+    its first line, then ``(xN until TIME)``."""
+    out: list[str] = []
+    shape, count, last = None, 0, ""
+    for line in [*text.splitlines(), None]:
+        now = None if line is None else _STAMP.sub("", line)
+        if now is not None and now == shape:
+            count += 1
+            last = line or ""
+            continue
+        if count:
+            stamp = _STAMP.search(last)
+            out.append(f"  (x{count + 1} until {stamp.group(0) if stamp else '?'})")
+        if line is not None:
+            out.append(line)
+        shape, count = now, 0
+    return "\n".join(out)
