@@ -52,6 +52,9 @@ class Durability(enum.StrEnum):
     REPLICA = "replica"
 
 
+BARRIER_MARGIN_S = 5.0  # a barrier not answered this long past its WAIT is given up
+
+
 class Uncommitted(RedisConnectionError):
     """What was read could not be confirmed committed in time (no replica acknowledged
     it, or the slot moved meanwhile): treated like an unreachable store."""
@@ -179,10 +182,12 @@ class Committer:
         self.barriers += 1
         key = self.keys.commit(partition)
         try:
-            reply = await _on_one_connection(
-                self.redis, key, [("INCR", key), ("WAIT", 1, self.timeout_ms)]
-            )
-        except STORE_ERRORS:
+            # (the sockets' own timeouts end it sooner; this bounds whatever they miss)
+            async with asyncio.timeout(self.timeout_ms / 1000 + BARRIER_MARGIN_S):
+                reply = await _on_one_connection(
+                    self.redis, key, [("INCR", key), ("WAIT", 1, self.timeout_ms)]
+                )
+        except STORE_ERRORS:  # (an OSError: the bound's TimeoutError too)
             self._relearn(key)
             raise
         if replies.integer(reply[1]) < 1:

@@ -30,6 +30,10 @@ STOP_WAIT_S = 2.0  # a stopping shard waits this long for its loop to end
 # shard follows a failover within a fraction of a second of the slot map's change (a read
 # against a dead node fails at once; one against a frozen node waits its socket timeout)
 BACKOFF_S = (0.05, 0.5)
+# one turn of the loop (a read and its commit barrier, or a registration) that takes this
+# much longer than its own waits is stuck -- every socket has a timeout, so it should not
+# be; it is given up, said where, and the shard goes on as after a store error
+STUCK_MARGIN_S = 10.0
 
 
 class Shard:
@@ -82,6 +86,8 @@ class Shard:
         self._follow = scripts.register(redis, "follow")
         self._task = asyncio.get_running_loop().create_task(self._run(), name="log-tailer")
         self.reads = 0
+        self.stuck_s = block_ms / 1000 + committer.timeout_ms / 1000 + STUCK_MARGIN_S
+        self._doing = "starting"  # what the loop waits on (said when it is stuck)
 
     async def stop(self) -> None:
         self._task.cancel()
@@ -160,33 +166,46 @@ class Shard:
     async def _run(self) -> None:
         backoff = BACKOFF_S[0]
         while True:
+            timer = asyncio.timeout(self.stuck_s)
             try:
-                if self._reregister:
-                    self._reregister = False
-                    self._register |= set(self._rids)
-                    self._dirty |= set(self._positions)
-                    await self._send()
-                if time.monotonic() - self._swept >= self._sweep_s:
-                    self._swept = time.monotonic()
-                    self._dirty |= set(self._positions)
-                if self._dirty:
-                    await self._read_changed()
+                async with timer:
+                    reply = await self._turn()
+                if reply is None:
                     continue
-                sweep_in = self._sweep_s - (time.monotonic() - self._swept)
-                block = max(1, min(self._block_ms, int(sweep_in * 1000) + 1))
-                reply: Any = await self._reader.xread(
-                    {self._wake_key: self._wake_last}, count=WAKE_COUNT, block=block
-                )
                 self.reads += 1
                 backoff = BACKOFF_S[0]
             except Exception as exc:  # noqa: BLE001 - a shard's readers must not be left
-                survived(f"log tail read (retrying in {backoff:.2f} s)", exc)
+                stuck = Stuck(f"{self._doing} took over {self.stuck_s:g} s")
+                err = stuck if timer.expired() else exc
+                survived(f"log tail read (retrying in {backoff:.2f} s)", err)
                 self._reregister = True
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_S[1])
                 continue
             for _key, entries in replies.streams_of(reply):
                 self._woken(entries)
+
+    async def _turn(self) -> Any:
+        """One turn of the loop: registrations again after an error, the logs that changed
+        (then None), or a blocked read of the wake stream (its reply)."""
+        if self._reregister:
+            self._reregister = False
+            self._register |= set(self._rids)
+            self._dirty |= set(self._positions)
+            self._doing = "registering again"
+            await self._send()
+        if time.monotonic() - self._swept >= self._sweep_s:
+            self._swept = time.monotonic()
+            self._dirty |= set(self._positions)
+        if self._dirty:
+            await self._read_changed()
+            return None
+        sweep_in = self._sweep_s - (time.monotonic() - self._swept)
+        block = max(1, min(self._block_ms, int(sweep_in * 1000) + 1))
+        self._doing = "the wake stream's read"
+        return await self._reader.xread(
+            {self._wake_key: self._wake_last}, count=WAKE_COUNT, block=block
+        )
 
     def _woken(self, entries: list[list[Any]]) -> None:
         """The wake stream's entries: the logs named are to be read."""
@@ -208,8 +227,10 @@ class Shard:
         names: dict[Any, Any] = streams
         try:
             mark = self._committer.mark(self.partition)
+            self._doing = f"a read of {len(names)} log(s)"
             reply: Any = await self._reader.xread(names, count=self._count)
             # nothing goes out before it is committed (``commit.py``)
+            self._doing = "the commit barrier"
             await self._committer.confirm(self.partition, mark)
         except BaseException:
             self._dirty |= set(keys)  # read them when the store answers again
@@ -242,3 +263,7 @@ class Shard:
             if sub.position >= start:
                 sub.offer(batch)
         self._reposition(key)
+
+
+class Stuck(Exception):
+    """A turn of a shard's loop waited past every socket's timeout (``STUCK_MARGIN_S``)."""
