@@ -150,6 +150,52 @@ def _retry() -> dict[str, Any]:
 TOPOLOGY_REFRESH_S = 0.2
 
 
+class _Cluster(RedisCluster):
+    """redis-py's cluster client, finding the keys of ``XREAD`` and ``XREADGROUP`` itself.
+    Their key spec begins at a keyword (``STREAMS``), which redis-py's commands parser does
+    not read: it asked one node (``COMMAND GETKEYS``) on every read -- a round trip more
+    per read -- and once that node died, every read failed there, outside the command's
+    own routing, so the client never learnt the slot map again: after a failover all of an
+    API process's tail shards (a client that sends nothing but reads) and the workers'
+    claims went to the dead node for good."""
+
+    async def _determine_slot(self, command: str, *args: Any) -> int:
+        keys = stream_keys(command, args)
+        if keys is None:
+            slot: int = await super()._determine_slot(command, *args)
+            return slot
+        slots = {self.keyslot(key) for key in keys}
+        if len(slots) != 1:
+            raise RedisClusterException(f"{command}: all keys must map to one slot ({keys!r})")
+        return slots.pop()
+
+
+def stream_keys(command: Any, args: tuple[Any, ...]) -> list[Any] | None:
+    """The stream keys of an ``XREAD`` or ``XREADGROUP`` (``args`` after the command's
+    name); None for another command, or one without a well-formed ``STREAMS`` part (then
+    redis-py's own parser, and the server, say what is wrong)."""
+    name = _text(command).upper()
+    if name == "XREAD":
+        rest = list(args)
+    elif name == "XREADGROUP":
+        rest = list(args[3:])  # (GROUP group consumer: either name may be "streams")
+    else:
+        return None
+    for i, arg in enumerate(rest):
+        if _text(arg).upper() == "STREAMS":
+            tail = rest[i + 1 :]
+            if not tail or len(tail) % 2:
+                return None
+            return tail[: len(tail) // 2]
+    return None
+
+
+def _text(arg: Any) -> str:
+    if isinstance(arg, bytes | bytearray | memoryview):
+        return bytes(arg).decode("latin-1")
+    return arg if isinstance(arg, str) else ""
+
+
 def _silence(silent_s: float, longest_wait_s: float) -> dict[str, Any]:
     """How long a connection waits on a node that answers nothing: a command is given up
     ``silent_s`` after its own longest wait (a blocked read's ``BLOCK``, ``WAIT``'s
@@ -207,7 +253,7 @@ def connect(
     if cluster:
         others = [urlsplit(u) for u in urls[1:]]
         kwargs["startup_nodes"] = [ClusterNode(u.hostname or "", u.port or 6379) for u in others]
-        client = RedisCluster.from_url(
+        client = _Cluster.from_url(
             urls[0],
             max_connections=max(4 * max_connections, 64),
             topology_refresh_min_interval=TOPOLOGY_REFRESH_S,

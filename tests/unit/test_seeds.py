@@ -3,6 +3,7 @@ node (``service/store/pool.py``)."""
 
 from __future__ import annotations
 
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from redis.asyncio import RedisCluster
 
-from service.store.pool import _silence, connect, seeds
+from service.store.pool import _silence, connect, seeds, stream_keys
 
 hosts = st.from_regex(r"[a-z][a-z0-9-]{0,15}(\.[a-z][a-z0-9-]{0,10}){0,2}", fullmatch=True)
 ports = st.integers(1, 65535)
@@ -49,3 +50,37 @@ def test_a_silent_node_is_given_up_past_a_commands_own_wait() -> None:
     }
     with pytest.raises(ValueError, match="LASTEVENT_REDIS_SILENT_S"):
         _silence(0.0, 1.0)
+
+
+# -- the keys of a stream read (pool.stream_keys: no COMMAND GETKEYS on a cluster) --
+
+_names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=8)
+
+
+@given(
+    st.lists(_names, min_size=1, max_size=4),
+    st.booleans(),
+    st.sampled_from(["streams", "STREAMS", "g"]),
+    st.one_of(st.none(), st.integers(1, 100)),
+    st.sampled_from([str, str.encode]),
+)
+def test_stream_keys_are_those_after_streams(
+    keys: list[str], group: bool, name: str, count: int | None, as_arg: Any
+) -> None:
+    ids = ["0-0"] * len(keys)
+    args: list[Any] = []
+    if group:
+        args += ["GROUP", name, name]  # (a group or consumer may be called "streams")
+    if count is not None:
+        args += ["COUNT", count]
+    args += ["BLOCK", 10, "STREAMS", *keys, *ids]
+    command = "XREADGROUP" if group else "XREAD"
+    args = [as_arg(a) if isinstance(a, str) else a for a in args]
+    assert stream_keys(command, tuple(args)) == [as_arg(k) for k in keys]
+
+
+def test_stream_keys_of_other_commands_and_malformed_reads_are_left_to_redis_py() -> None:
+    assert stream_keys("GET", ("k",)) is None
+    assert stream_keys("XREAD", ("COUNT", 1)) is None  # no STREAMS
+    assert stream_keys("XREAD", ("STREAMS", "a", "b", "0")) is None  # odd: keys and ids differ
+    assert stream_keys("xread", ("streams", "a", "0")) == ["a"]

@@ -1,0 +1,95 @@
+"""Stream reads on a Redis Cluster are routed by their own keys: ``XREAD`` and
+``XREADGROUP`` ask no node for their keys (redis-py's parser sent ``COMMAND GETKEYS`` to
+one node per read), and when that node is lost for good, reads of the slots the other
+nodes serve go on. Before ``pool._Cluster``, every read of a client whose reads all went
+to other nodes failed at the dead node for ever -- an API process's tail shards, all its
+streams hung after a failover. A local cluster of the test's own; its node killed
+(``kill -9``), never restarted, its replica promoted at once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from redis.asyncio import Redis
+
+from service.store import groups, pool
+from tests.cluster import LocalCluster, Node
+from tests.waiting import eventually
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(120)]
+
+SAFETY_S = 30.0  # a wait this long means the client never followed: the finding
+PARTITIONS = 12
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    local = LocalCluster(tmp_path / "cluster", node_timeout_ms=1000).start()
+    try:
+        yield local
+    finally:
+        local.stop()
+
+
+def getkeys_calls(cluster: LocalCluster) -> int:
+    """``COMMAND GETKEYS`` calls the live nodes served."""
+    total = 0
+    for node in cluster.live():
+        stats = node.client().info("commandstats")
+        total += int(stats.get("cmdstat_command|getkeys", {}).get("calls", 0))
+    return total
+
+
+async def reads_work(client: Redis, keys: list[str]) -> bool:
+    """One ``XREAD`` and one ``XREADGROUP`` of each key answered (an error is a no)."""
+    try:
+        for key in keys:
+            await client.xread({key: "0-0"}, count=1)
+            await groups.read(client, [key], "g", "c", pending=True, count=1, block_ms=1)
+    except pool.STORE_ERRORS:
+        return False
+    return True
+
+
+def test_stream_reads_ask_no_node_for_their_keys_and_outlive_it(cluster: LocalCluster) -> None:
+    async def scenario() -> None:
+        client = pool.connect(cluster.seeds, 8, cluster=True)
+        try:
+            await pool.warm(client)
+            asked: Node = next(
+                n
+                for n in cluster.nodes
+                if n.port == client.commands_parser.node.port  # type: ignore[attr-defined]
+            )
+            # the slots other nodes serve: nothing this client sends goes to ``asked``
+            keys = [
+                k
+                for k in (f"{{p{i}.0}}:wake" for i in range(PARTITIONS))
+                if cluster.primary_of(k) is not asked
+            ]
+            assert keys, "every partition on one node: the test tests nothing"
+            for key in keys:
+                await client.xadd(key, {"n": "1"})
+                await groups.ensure(client, key, "g")
+            before = getkeys_calls(cluster)
+            assert await reads_work(client, keys)
+            assert getkeys_calls(cluster) == before  # (was one per read)
+
+            replica = cluster.replicas_of(asked)[0]
+            asked.kill()  # for good
+            with contextlib.suppress(Exception):
+                replica.client().execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
+            await eventually(
+                lambda: reads_work(client, keys),
+                "reads of the slots the live nodes serve",
+                timeout=SAFETY_S,
+                interval=0.2,
+            )
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
