@@ -119,11 +119,12 @@ class Committer:
     def needed(self) -> bool:
         return self.level is not Durability.MEMORY and not self.fsync_always
 
-    def mark(self, partition: int) -> str:
-        """Which node serves ``partition`` now (take it before a read, hand it to
-        ``confirm``): on a cluster, a read made on a primary that failed over before the
-        barrier went to the new one must not be confirmed by the new one's barrier."""
-        client: object = self.redis
+    def mark(self, partition: int, via: Redis | None = None) -> str:
+        """Which node serves ``partition`` now, as the client that reads (``via``; default
+        this one's) sees it: take it before a read, hand it to ``confirm``. On a cluster, a
+        read made on a primary that failed over before the barrier went to the new one must
+        not be confirmed by the new one's barrier."""
+        client: object = self.redis if via is None else via
         if not self.needed or not isinstance(client, RedisCluster):
             return ""
         try:
@@ -132,10 +133,15 @@ class Committer:
             return "?"
         return str(node.name) if node is not None else "?"
 
-    async def confirm(self, partition: int, mark: str = "") -> None:
+    async def confirm(self, partition: int, mark: str = "", via: Redis | None = None) -> None:
         """Return once everything this process read from ``partition``'s node before the
         call (and since ``mark``) is committed; raise ``Uncommitted`` (or the store's
-        error) if it cannot be."""
+        error) if it cannot be. ``via``: the client that read, when it is not this one --
+        each cluster client has its own slot map, and after a failover the reader's may
+        still name a node the barrier's no longer does (a frozen primary woken, still
+        answering as one until it learns it was replaced: what it held then is taken back
+        when it rejoins, and a client was sent it once, confirmed by the new primary's
+        barrier)."""
         if not self._checked and self.level is not Durability.MEMORY:
             await self.check()  # (how the level is given: a process that did not ask yet)
         if not self.needed:
@@ -150,7 +156,7 @@ class Committer:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         await future
-        if mark != self.mark(partition):
+        if mark != self.mark(partition) or (via is not None and mark != self.mark(partition, via)):
             raise Uncommitted(f"partition {partition} moved to another node while it was read")
 
     def marks(self, partitions: range) -> dict[int, str]:

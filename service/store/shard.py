@@ -226,12 +226,12 @@ class Shard:
         streams = {key: self._positions[key] for key in keys}
         names: dict[Any, Any] = streams
         try:
-            mark = self._committer.mark(self.partition)
+            mark = self._committer.mark(self.partition, self._reader)
             self._doing = f"a read of {len(names)} log(s)"
             reply: Any = await self._reader.xread(names, count=self._count)
             # nothing goes out before it is committed (``commit.py``)
             self._doing = "the commit barrier"
-            await self._committer.confirm(self.partition, mark)
+            await self._committer.confirm(self.partition, mark, self._reader)
         except BaseException:
             self._dirty |= set(keys)  # read them when the store answers again
             raise
