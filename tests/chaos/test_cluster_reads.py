@@ -17,6 +17,8 @@ import pytest
 from redis.asyncio import Redis
 
 from service.store import groups, pool
+from service.store.commit import Committer, Durability, Uncommitted
+from service.store.keys import Keys
 from tests.cluster import LocalCluster, Node
 from tests.waiting import eventually
 
@@ -93,3 +95,62 @@ def test_stream_reads_ask_no_node_for_their_keys_and_outlive_it(cluster: LocalCl
             await client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_read_through_a_stale_slot_map_is_not_confirmed(tmp_path: Path) -> None:
+    """A process reads through one cluster client (the tailer's) and confirms through
+    another (the commit barrier's): each has its own slot map. After a failover the
+    reader's may still name the old primary -- one frozen and woken answers as a primary
+    until it learns it was replaced, and what it holds then is taken back -- while the
+    barrier goes to the new one. A mark taken through the reader's map is not confirmed
+    by the new primary's barrier; one taken through the barrier's own map is."""
+    local = LocalCluster(tmp_path / "cluster", node_timeout_ms=1000, replicas_each=2).start()
+
+    async def scenario() -> None:
+        keys = Keys("t", 6)
+        reader = pool.connect(local.seeds, 8, cluster=True)
+        barriers = pool.connect(local.seeds, 8, cluster=True)
+        try:
+            await pool.warm(reader)
+            await pool.warm(barriers)
+            committer = Committer(barriers, keys, Durability.REPLICA)
+            await committer.check()
+            victim = local.primary_of(keys.commit(0))
+            stale = committer.mark(0, reader)
+            assert stale == committer.mark(0)  # one map, one node, before the failover
+            replicas = local.replicas_of(victim)
+            victim.kill()
+            replicas[0].client().execute_command("CLUSTER", "FAILOVER", "TAKEOVER")
+
+            async def barriers_learnt() -> bool:
+                await pool.relearn(barriers, keys.commit(0), 5.0)
+                return committer.mark(0) not in (stale, "?")
+
+            await eventually(
+                barriers_learnt,
+                "the barriers' client learns the new primary",
+                timeout=SAFETY_S,
+                interval=0.2,
+            )
+            assert committer.mark(0, reader) == stale  # the reader has not looked since
+            with pytest.raises(Uncommitted):
+                await committer.confirm(0, stale, reader)
+
+            async def confirmed() -> bool:  # (once the other replica follows the new primary)
+                try:
+                    await committer.confirm(0, committer.mark(0))
+                except Uncommitted:
+                    return False
+                return True
+
+            await eventually(
+                confirmed, "a barrier on the new primary", timeout=SAFETY_S, interval=0.2
+            )
+        finally:
+            await reader.aclose()
+            await barriers.aclose()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        local.stop()
