@@ -88,6 +88,9 @@ class Settings:
     # answered) | disk (fsynced in the primary's AOF) | replica (a replica has it too)
     durability: str = "disk"
     commit_timeout_ms: int = 1000  # a commit barrier not confirmed in this long: 503 / retry
+    # at replica, a primary without a replica when a process starts: asked again this long
+    # (a failover under way) before the process refuses to start
+    startup_replica_wait_s: float = 30.0
     hot_log_ttl_s: int = 3600  # the log stays in Redis this long after its terminal event
     unstored_ttl_s: int = 30  # ... and this long for a ``store: false`` response (readers
     # between connections can still finish reading it)

@@ -113,7 +113,8 @@ async def serve(settings: Settings) -> None:
     redis = pool.of(settings, 64)
     await warm(redis)
     runner = Runner(settings, redis, engine, model)
-    await commit.started(runner.log.committer, "worker")  # (before minutes of engine load)
+    # (before minutes of engine load)
+    await commit.started(runner.log.committer, "worker", settings.startup_replica_wait_s)
     await engine.start()
     db = make_engine(settings.database_url) if settings.database_url else None
     recorder = None
@@ -172,7 +173,7 @@ async def serve_recorder(settings: Settings) -> None:
     await warm(redis)
     db = make_engine(settings.database_url)
     recorder = build_recorder(settings, redis, Ledger(db))
-    await commit.started(recorder.outbox.committer, "recorder")
+    await commit.started(recorder.outbox.committer, "recorder", settings.startup_replica_wait_s)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, recorder.stop)

@@ -186,7 +186,7 @@ async def serving(
     await warm(tail_redis)
     keys = Keys(settings.key_prefix, settings.partitions)
     committer = commit.of(settings, redis, keys)
-    await commit.started(committer, "api")
+    await commit.started(committer, "api", settings.startup_replica_wait_s)
     ledger = Ledger(make_engine(settings.database_url)) if settings.database_url else None
     ctx = _context(settings, models, drain, (redis, tail_redis, committer), ledger)
     drain.bind(asyncio.get_running_loop())

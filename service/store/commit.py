@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 from typing import Any
 
 from redis.asyncio import Redis
@@ -60,8 +61,16 @@ class Uncommitted(RedisConnectionError):
     it, or the slot moved meanwhile): treated like an unreachable store."""
 
 
+STARTUP_WAIT_S = 30.0  # a primary without a replica at start: asked again this long
+
+
 class Misconfigured(Exception):
     """The servers cannot give the durability level asked for (no AOF, no replica)."""
+
+
+class NoReplica(Misconfigured):
+    """A primary has no connected replica (at ``replica``): for good, or while a failover
+    or a replica's restart is under way."""
 
 
 def level(name: str) -> Durability:
@@ -78,20 +87,34 @@ def of(settings: Settings, redis: Redis, keys: Keys) -> Committer:
     return Committer(redis, keys, level(settings.durability), timeout_ms=settings.commit_timeout_ms)
 
 
-async def started(committer: Committer, what: str) -> None:
+async def started(committer: Committer, what: str, wait_s: float = STARTUP_WAIT_S) -> None:
     """Check the level at a process's start: refuse to start (a clear message) if the
     servers cannot give it; if they cannot be reached yet, say so and go on (``/readyz``
-    checks again, barriers fail until they answer)."""
-    try:
-        how = await committer.check()
-    except Misconfigured as exc:
-        log.error("%s: refusing to start: %s", what, exc)
-        raise SystemExit(f"{what}: {exc}") from None
-    except STORE_ERRORS as exc:
-        log.warning(
-            "%s: durability %s not checked, Redis does not answer: %s", what, committer.level, exc
-        )
-        return
+    checks again, barriers fail until they answer). A primary without a replica may be
+    a failover under way (a promoted replica whose own replica has not attached yet, a
+    replica restarting): asked again every second for ``wait_s`` before refusing."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            how = await committer.check()
+            break
+        except NoReplica as exc:
+            if time.monotonic() >= deadline:
+                log.error("%s: refusing to start: %s", what, exc)
+                raise SystemExit(f"{what}: {exc}") from None
+            log.warning("%s: %s; asking again (a failover under way?)", what, exc)
+            await asyncio.sleep(1.0)
+        except Misconfigured as exc:
+            log.error("%s: refusing to start: %s", what, exc)
+            raise SystemExit(f"{what}: {exc}") from None
+        except STORE_ERRORS as exc:
+            log.warning(
+                "%s: durability %s not checked, Redis does not answer: %s",
+                what,
+                committer.level,
+                exc,
+            )
+            return
     log.info("%s: durability %s", what, how)
 
 
@@ -241,7 +264,7 @@ class Committer:
             return "disk: appendfsync always (every answer follows the fsync of what it shows)"
         lonely = [name for name, info in infos if int(info.get("connected_slaves", "0")) < 1]
         if lonely:
-            raise Misconfigured(
+            raise NoReplica(
                 "LASTEVENT_DURABILITY=replica needs a connected replica of every primary; "
                 f"none on {', '.join(lonely)}"
             )

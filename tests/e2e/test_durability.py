@@ -32,7 +32,9 @@ def test_a_process_refuses_a_level_its_redis_cannot_give(
 ) -> None:
     if redis_url != "redis://127.0.0.1:6379/0":
         pytest.skip("needs the shared Redis without AOF or replica")
-    st = make_stack(tmp_path, redis_url, database_url, model_dir, durability=level)
+    st = make_stack(
+        tmp_path, redis_url, database_url, model_dir, durability=level, startup_replica_wait_s=1.0
+    )
     proc = st._spawn(role, role)
     assert proc.wait(timeout=60) != 0
     assert f"LASTEVENT_DURABILITY={level} needs" in st.tail(role) and missing in st.tail(role)
