@@ -263,6 +263,11 @@ class Committer:
             self.fsync_always = True
             return "disk: appendfsync always (every answer follows the fsync of what it shows)"
         lonely = [name for name, info in infos if int(info.get("connected_slaves", "0")) < 1]
+        if lonely and await _relearnt(self.redis):
+            # (a slot map learnt before a failover still names the old primary, a replica
+            # now: no command of this process failed on it to make the client learn again)
+            infos = await _primaries_info(self.redis)
+            lonely = [n for n, info in infos if int(info.get("connected_slaves", "0")) < 1]
         if lonely:
             raise NoReplica(
                 "LASTEVENT_DURABILITY=replica needs a connected replica of every primary; "
@@ -291,6 +296,19 @@ async def _on_one_connection(redis: Redis, key: str, commands: list[tuple[Any, .
         pipe.execute_command(*args)
     out: list[Any] = await pipe.execute()
     return out
+
+
+async def _relearnt(redis: Redis) -> bool:
+    """A cluster client's slot map learnt again now (False: not a cluster, or no node
+    answered)."""
+    client: object = redis
+    if not isinstance(client, RedisCluster):
+        return False
+    try:
+        await client.nodes_manager.initialize()
+    except STORE_ERRORS:
+        return False
+    return True
 
 
 async def _primaries_info(redis: Redis) -> list[tuple[str, dict[str, str]]]:

@@ -154,3 +154,37 @@ def test_a_read_through_a_stale_slot_map_is_not_confirmed(tmp_path: Path) -> Non
         asyncio.run(scenario())
     finally:
         local.stop()
+
+
+def test_the_replica_check_follows_a_failover_its_client_did_not_see(tmp_path: Path) -> None:
+    """At ``replica`` a process checks that every primary has a connected replica (at its
+    start, and on ``/readyz``). A slot map learnt before a failover still names the old
+    primary -- a replica now, with no replica of its own -- when nothing the process sent
+    failed there: the check learns the map again before it says a primary is alone (an
+    API process restarted in the soak refused to start for it)."""
+    local = LocalCluster(tmp_path / "cluster", node_timeout_ms=1000, replicas_each=2).start()
+
+    async def scenario() -> None:
+        client = pool.connect(local.seeds, 8, cluster=True)
+        try:
+            await pool.warm(client)
+            committer = Committer(client, Keys("t", 6), Durability.REPLICA)
+            await committer.check()
+            old = local.primaries[0]
+            new = local.replicas_of(old)[0]
+            new.client().execute_command("CLUSTER", "FAILOVER")  # (graceful: nobody lost)
+            await eventually(
+                lambda: old.role() == "slave",
+                "the old primary demoted",
+                timeout=SAFETY_S,
+                interval=0.2,
+            )
+            assert any(n.port == old.port for n in client.get_primaries())  # type: ignore[attr-defined]
+            await committer.check()  # (was: NoReplica naming the old primary)
+        finally:
+            await client.aclose()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        local.stop()
