@@ -141,10 +141,17 @@ class RedisLog(LogReader):
             expiry_ms,
             job,
         ]
+        partition = self.keys.partition(request_id)
+        mark = self.committer.mark(partition)
         try:
             raw = await self._create(keys=keys, args=args)
         except ResponseError as exc:
             raise _map_error(exc) from None
+        # accepted only once committed: a creation a failover took back was answered 200,
+        # then an in-band ``log_lost``, and the request left no end and no billing row
+        # (the 30-minute cluster soak). Not confirmed: the store's error (a 503); the
+        # request, if it survived, has no reader and ends as an abandoned one does.
+        await self.committer.confirm(partition, mark)
         return EventId.from_redis(raw)
 
     async def claim(
