@@ -62,7 +62,8 @@ class StreamTokens:
         if len(parts) != 3 or parts[0] != _VERSION:
             return None
         _, body, sig = parts
-        if not hmac.compare_digest(sig, self._sign(body)):
+        # (bytes: compare_digest refuses a str with non-ASCII characters -- a 500)
+        if not hmac.compare_digest(sig.encode(), self._sign(body).encode()):
             return None
         try:
             claims = msgspec.msgpack.decode(_unb64(body), type=_Claims)
