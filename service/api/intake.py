@@ -106,9 +106,11 @@ def sequence_cursor(
     raw, name = _cursor_text(request, starting_after, "starting_after")
     if raw is None or raw == "":
         return None
-    if not raw.isdigit():
+    # (ASCII digits only -- "²" is a digit to isdigit, not to int -- and at most 18 of
+    # them: int() refuses over 4,300, a 500 it was)
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 18:
         raise InvalidRequest(
-            f"{name} of a response stream is a sequence number (0 or more)",
+            f"{name} of a response stream is a sequence number (0 or more, 18 digits at most)",
             param=name,
             code="invalid_event_id",
         )

@@ -104,6 +104,19 @@ def test_last_event_id_is_a_sequence_number(stack: Stack, sdk: OpenAI) -> None:
     )
 
 
+@pytest.mark.parametrize("cursor", ["9" * 5000, "²", "-1", "4.0"])
+def test_a_malformed_last_event_id_is_a_400(stack: Stack, sdk: OpenAI, cursor: str) -> None:
+    resp = sdk.responses.create(model=stack.model, input="a cursor of nonsense")
+    got = httpx.get(
+        f"{stack.url}/v1/responses/{resp.id}",
+        params={"stream": "true"},
+        headers={"Last-Event-ID": cursor.encode()},  # (bytes: httpx sends them as they are)
+        timeout=30,
+    )
+    assert got.status_code == 400, got.text
+    assert got.json()["error"]["code"] == "invalid_event_id"
+
+
 def test_non_streaming_create_and_retrieve(stack: Stack, sdk: OpenAI) -> None:
     resp = sdk.responses.create(
         model=stack.model,
