@@ -42,7 +42,7 @@ from redis.exceptions import ResponseError, SlotNotCoveredError
 from service.settings import Settings
 from service.store import replies
 from service.store.keys import Keys
-from service.store.pool import STORE_ERRORS, relearn
+from service.store.pool import STORE_ERRORS, refresh_map, relearn
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +59,6 @@ BARRIER_MARGIN_S = 5.0  # a barrier not answered this long past its WAIT is give
 class Uncommitted(RedisConnectionError):
     """What was read could not be confirmed committed in time (no replica acknowledged
     it, or the slot moved meanwhile): treated like an unreachable store."""
-
-
-STARTUP_WAIT_S = 30.0  # a primary without a replica at start: asked again this long
 
 
 class Misconfigured(Exception):
@@ -87,7 +84,7 @@ def of(settings: Settings, redis: Redis, keys: Keys) -> Committer:
     return Committer(redis, keys, level(settings.durability), timeout_ms=settings.commit_timeout_ms)
 
 
-async def started(committer: Committer, what: str, wait_s: float = STARTUP_WAIT_S) -> None:
+async def started(committer: Committer, what: str, wait_s: float) -> None:
     """Check the level at a process's start: refuse to start (a clear message) if the
     servers cannot give it; if they cannot be reached yet, say so and go on (``/readyz``
     checks again, barriers fail until they answer). A primary without a replica may be
@@ -262,12 +259,11 @@ class Committer:
                 )
             self.fsync_always = True
             return "disk: appendfsync always (every answer follows the fsync of what it shows)"
-        lonely = [name for name, info in infos if int(info.get("connected_slaves", "0")) < 1]
-        if lonely and await _relearnt(self.redis):
+        lonely = _lonely(infos)
+        if lonely and await refresh_map(self.redis):
             # (a slot map learnt before a failover still names the old primary, a replica
             # now: no command of this process failed on it to make the client learn again)
-            infos = await _primaries_info(self.redis)
-            lonely = [n for n, info in infos if int(info.get("connected_slaves", "0")) < 1]
+            lonely = _lonely(await _primaries_info(self.redis))
         if lonely:
             raise NoReplica(
                 "LASTEVENT_DURABILITY=replica needs a connected replica of every primary; "
@@ -298,17 +294,9 @@ async def _on_one_connection(redis: Redis, key: str, commands: list[tuple[Any, .
     return out
 
 
-async def _relearnt(redis: Redis) -> bool:
-    """A cluster client's slot map learnt again now (False: not a cluster, or no node
-    answered)."""
-    client: object = redis
-    if not isinstance(client, RedisCluster):
-        return False
-    try:
-        await client.nodes_manager.initialize()
-    except STORE_ERRORS:
-        return False
-    return True
+def _lonely(infos: list[tuple[str, dict[str, str]]]) -> list[str]:
+    """The primaries of ``infos`` without a connected replica."""
+    return [name for name, info in infos if int(info.get("connected_slaves", "0")) < 1]
 
 
 async def _primaries_info(redis: Redis) -> list[tuple[str, dict[str, str]]]:

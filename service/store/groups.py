@@ -40,11 +40,12 @@ async def read(
     its own unacked ones (``pending``, no wait) or new ones (waiting up to ``block_ms``
     for any, and its own unacked ones too when the wait ran late: ``LATE_S``); ``[]``
     after making a group Redis lost again."""
+    block = None if pending else block_ms
     started = time.monotonic()
-    found = await _read(redis, streams, group, consumer, pending, count, block_ms)
-    if pending or time.monotonic() - started <= block_ms / 1000 + LATE_S:
+    found = await _read(redis, streams, group, consumer, count, block)
+    if block is None or time.monotonic() - started <= block / 1000 + LATE_S:
         return found
-    own = await _read(redis, streams, group, consumer, True, count, block_ms)
+    own = await _read(redis, streams, group, consumer, count, None)
     return merged(own, found)
 
 
@@ -62,19 +63,13 @@ def merged(
 
 
 async def _read(
-    redis: Redis,
-    streams: list[str],
-    group: str,
-    consumer: str,
-    pending: bool,
-    count: int,
-    block_ms: int,
+    redis: Redis, streams: list[str], group: str, consumer: str, count: int, block: int | None
 ) -> list[tuple[Any, list[tuple[Any, Any]]]]:
-    ids: dict[Any, Any] = {stream: "0" if pending else ">" for stream in streams}
+    """One ``XREADGROUP``: new entries, waiting up to ``block`` ms; ``None``: the
+    consumer's own pending entries."""
+    ids: dict[Any, Any] = {stream: "0" if block is None else ">" for stream in streams}
     try:
-        reply: Any = await redis.xreadgroup(
-            group, consumer, ids, count=count, block=None if pending else block_ms
-        )
+        reply: Any = await redis.xreadgroup(group, consumer, ids, count=count, block=block)
     except ResponseError as exc:
         if "NOGROUP" not in str(exc):
             raise

@@ -305,6 +305,19 @@ async def relearn(redis: Redis, key: str, timeout_s: float | None = None) -> Non
             await redis.exists(key)
 
 
+async def refresh_map(redis: Redis) -> bool:
+    """Make a cluster client learn its slot map now, whether or not a command failed
+    (False: not a cluster, or no node answered)."""
+    client: object = redis
+    if not isinstance(client, RedisCluster):
+        return False
+    try:
+        await client.nodes_manager.initialize()
+    except STORE_ERRORS:
+        return False
+    return True
+
+
 def is_cluster(redis: Redis) -> bool:
     client: object = redis
     return isinstance(client, RedisCluster)

@@ -175,8 +175,9 @@ class Shard:
                 self.reads += 1
                 backoff = BACKOFF_S[0]
             except Exception as exc:  # noqa: BLE001 - a shard's readers must not be left
-                stuck = Stuck(f"{self._doing} took over {self.stuck_s:g} s")
-                err = stuck if timer.expired() else exc
+                err: Exception = exc
+                if timer.expired():
+                    err = Stuck(f"{self._doing} took over {self.stuck_s:g} s")
                 survived(f"log tail read (retrying in {backoff:.2f} s)", err)
                 self._reregister = True
                 await asyncio.sleep(backoff)
@@ -227,7 +228,7 @@ class Shard:
         names: dict[Any, Any] = streams
         try:
             mark = self._committer.mark(self.partition, self._reader)
-            self._doing = f"a read of {len(names)} log(s)"
+            self._doing = "a read of the logs"
             reply: Any = await self._reader.xread(names, count=self._count)
             # nothing goes out before it is committed (``commit.py``)
             self._doing = "the commit barrier"

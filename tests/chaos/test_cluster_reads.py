@@ -30,7 +30,19 @@ PARTITIONS = 12
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    local = LocalCluster(tmp_path / "cluster", node_timeout_ms=1000).start()
+    yield from _cluster(tmp_path, replicas_each=1)
+
+
+@pytest.fixture
+def nine(tmp_path: Path) -> Iterator[LocalCluster]:
+    """Three primaries with two replicas each: one still follows the new primary."""
+    yield from _cluster(tmp_path, replicas_each=2)
+
+
+def _cluster(tmp_path: Path, replicas_each: int) -> Iterator[LocalCluster]:
+    local = LocalCluster(
+        tmp_path / "cluster", node_timeout_ms=1000, replicas_each=replicas_each
+    ).start()
     try:
         yield local
     finally:
@@ -97,14 +109,14 @@ def test_stream_reads_ask_no_node_for_their_keys_and_outlive_it(cluster: LocalCl
     asyncio.run(scenario())
 
 
-def test_a_read_through_a_stale_slot_map_is_not_confirmed(tmp_path: Path) -> None:
+def test_a_read_through_a_stale_slot_map_is_not_confirmed(nine: LocalCluster) -> None:
     """A process reads through one cluster client (the tailer's) and confirms through
     another (the commit barrier's): each has its own slot map. After a failover the
     reader's may still name the old primary -- one frozen and woken answers as a primary
     until it learns it was replaced, and what it holds then is taken back -- while the
     barrier goes to the new one. A mark taken through the reader's map is not confirmed
     by the new primary's barrier; one taken through the barrier's own map is."""
-    local = LocalCluster(tmp_path / "cluster", node_timeout_ms=1000, replicas_each=2).start()
+    local = nine
 
     async def scenario() -> None:
         keys = Keys("t", 6)
@@ -150,19 +162,16 @@ def test_a_read_through_a_stale_slot_map_is_not_confirmed(tmp_path: Path) -> Non
             await reader.aclose()
             await barriers.aclose()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        local.stop()
+    asyncio.run(scenario())
 
 
-def test_the_replica_check_follows_a_failover_its_client_did_not_see(tmp_path: Path) -> None:
+def test_the_replica_check_follows_a_failover_its_client_did_not_see(nine: LocalCluster) -> None:
     """At ``replica`` a process checks that every primary has a connected replica (at its
     start, and on ``/readyz``). A slot map learnt before a failover still names the old
     primary -- a replica now, with no replica of its own -- when nothing the process sent
     failed there: the check learns the map again before it says a primary is alone (an
     API process restarted in the soak refused to start for it)."""
-    local = LocalCluster(tmp_path / "cluster", node_timeout_ms=1000, replicas_each=2).start()
+    local = nine
 
     async def scenario() -> None:
         client = pool.connect(local.seeds, 8, cluster=True)
@@ -184,7 +193,4 @@ def test_the_replica_check_follows_a_failover_its_client_did_not_see(tmp_path: P
         finally:
             await client.aclose()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        local.stop()
+    asyncio.run(scenario())
