@@ -35,7 +35,8 @@ test: $(STAMP)  ## the whole test suite (real Redis/Postgres: local ones if they
 
 CLUSTER_TESTS := tests/e2e/test_stream.py tests/e2e/test_cancel.py tests/e2e/test_billing.py \
   tests/e2e/test_openai_sdk.py tests/e2e/test_admission.py tests/e2e/test_takeover.py \
-  tests/e2e/test_responses.py tests/e2e/test_slow_clients.py tests/e2e/test_models.py
+  tests/e2e/test_responses.py tests/e2e/test_slow_clients.py tests/e2e/test_models.py \
+  tests/e2e/test_responses_ws.py tests/e2e/test_framing.py
 
 test-cluster: $(STAMP)  ## the e2e core (stream, resume, cancel, presence, admission, billing, replay, models) on a local Redis Cluster
 	LASTEVENT_TEST_REDIS_CLUSTER=1 $(BIN)/python -m pytest -m "not vllm and not chaos and not clients" -n 2 --dist loadfile $(PYTEST_ARGS) $(CLUSTER_TESTS)
@@ -59,11 +60,16 @@ $(CLIENTS_DIR)/node_modules/.installed: $(CLIENTS_DIR)/package.json $(CLIENTS_DI
 	cd $(CLIENTS_DIR) && npm ci --no-audit --no-fund
 	touch $@
 
-test-clients: $(STAMP) $(CLIENTS_DIR)/node_modules/.installed  ## JS/Python/browser clients through a cutting proxy (Node 18+, Chromium)
+test-clients: $(STAMP) $(CLIENTS_DIR)/node_modules/.installed  ## JS/Python/browser clients through a cutting proxy and through nginx (Node 20+, Chromium, nginx)
 	@if [ ! -x /usr/bin/chromium ]; then \
 	  echo "installing Debian's chromium (the browser tests never download one)"; \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; \
+	fi
+	@if [ ! -x /usr/sbin/nginx ]; then \
+	  echo "installing Debian's nginx (tests/clients/test_nginx.py runs ops/nginx.conf)"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq nginx; \
 	fi
 	$(BIN)/python -m pytest -m clients tests/clients $(PYTEST_ARGS)
 
@@ -105,6 +111,17 @@ bench-cpu: $(STAMP)  ## the CPU engine batched vs one request at a time: 1, 2, 4
 bench-vllm: $(VLLM_STAMP)  ## TTFT / ITL: vLLM's own OpenAI server vs lastevent + vLLM worker
 	$(VLLM_BIN)/python -m bench.vllm_compare $(BENCH_ARGS)
 
+UPSTREAM_PORT ?= 8001
+serve-vllm: $(VLLM_STAMP)  ## vLLM's own OpenAI server on the bundled model, on :$(UPSTREAM_PORT): a server to put lastevent in front of
+	$(VLLM_BIN)/lastevent model prepare
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_BIN)/python -m vllm.entrypoints.openai.api_server \
+	  --model "$$($(VLLM_BIN)/python -c 'from service.settings import Settings; print(Settings.from_env().resolved_model_dir)')" \
+	  --served-model-name "$${LASTEVENT_MODEL_NAME:-SmolLM2-135M-Instruct}" --port $(UPSTREAM_PORT) \
+	  --dtype float32 --enforce-eager --max-model-len 2048
+
+bench-upstream: $(VLLM_STAMP)  ## TTFT / ITL / CPU: clients -> vllm serve, vs clients -> lastevent -> the same vllm serve
+	$(VLLM_BIN)/python -m bench.upstream_compare $(BENCH_ARGS)
+
 GUIDELLM_VENV ?= .venv-guidellm
 GUIDELLM_BIN := $(GUIDELLM_VENV)/bin
 GUIDELLM_STAMP := $(GUIDELLM_VENV)/.installed
@@ -132,4 +149,4 @@ lint: $(STAMP)  ## the static gates CI runs first: ruff, ruff format, mypy stric
 clean:  ## remove the virtualenv and caches (not the data dir)
 	rm -rf $(VENV) $(VLLM_VENV) $(GUIDELLM_VENV) .pytest_cache .hypothesis .cache
 
-.PHONY: help install run test test-cluster test-chaos soak test-clients test-vllm bench bench-durability bench-cluster bench-takeover bench-park bench-ledger bench-cpu bench-vllm bench-guidellm test-fast lint clean
+.PHONY: help install run test test-cluster test-chaos soak test-clients test-vllm bench bench-durability bench-cluster bench-takeover bench-park bench-ledger bench-cpu bench-vllm bench-upstream serve-vllm bench-guidellm test-fast lint clean

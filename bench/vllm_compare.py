@@ -39,6 +39,7 @@ import httpx
 import psutil
 import redis
 
+from bench import vllm_bench_serve
 from bench.common import free_port, start_roles, stop, wait_ok
 from bench.profile import commandstats, py_spy, sampling, top
 from tests.servers import OwnRedis
@@ -91,10 +92,27 @@ def vllm_server(model_dir: Path, log: Path) -> Iterator[System]:
         stop([proc])
 
 
+VLLM_WORKER = {
+    "LASTEVENT_ENGINE": "vllm",
+    "LASTEVENT_VLLM_DTYPE": "float32",
+    "LASTEVENT_VLLM_ENFORCE_EAGER": "true",
+    "LASTEVENT_VLLM_KV_CACHE_GB": "1",
+    "LASTEVENT_VLLM_MAX_MODEL_LEN": "2048",
+}
+
+
 @contextlib.contextmanager
 def lastevent_stack(
-    model_dir: Path, redis_url: str, logs: Path, durability: str
+    model_dir: Path,
+    redis_url: str,
+    logs: Path,
+    durability: str,
+    engine: dict[str, str] | None = None,
+    pids: dict[str, int] | None = None,
 ) -> Iterator[System]:
+    """lastevent's API and one worker (``engine``: its engine's settings, a vLLM worker's
+    by default); ``pids``: more processes whose CPU its runs count."""
+    engine = VLLM_WORKER if engine is None else engine
     port = free_port()
     env = {
         **os.environ,
@@ -103,11 +121,7 @@ def lastevent_stack(
         "LASTEVENT_MODEL_DIR": str(model_dir),
         "LASTEVENT_PORT": str(port),
         "LASTEVENT_KEY_PREFIX": f"bench{uuid.uuid4().hex[:6]}",
-        "LASTEVENT_ENGINE": "vllm",
-        "LASTEVENT_VLLM_DTYPE": "float32",
-        "LASTEVENT_VLLM_ENFORCE_EAGER": "true",
-        "LASTEVENT_VLLM_KV_CACHE_GB": "1",
-        "LASTEVENT_VLLM_MAX_MODEL_LEN": "2048",
+        **engine,
         # as many at once as vLLM's server runs on CPU (its max_num_seqs there: 128)
         "LASTEVENT_WORKER_CONCURRENCY": "128",
         "LASTEVENT_AUTH": "off",  # no ledger, so no API keys (the API refuses to start else)
@@ -115,15 +129,16 @@ def lastevent_stack(
     }
     env.pop("LASTEVENT_DATABASE_URL", None)  # no ledger: measure the stream path only
     procs = start_roles(env, logs)
+    ready = f"ready (engine {engine['LASTEVENT_ENGINE']}".encode()
     try:
         wait_ok(f"http://127.0.0.1:{port}/healthz", procs)
         deadline = time.monotonic() + 300
-        while b"ready (engine vllm)" not in (logs / "worker.log").read_bytes():
+        while ready not in (logs / "worker.log").read_bytes():
             if procs[0].poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError((logs / "worker.log").read_text()[-3000:])
             time.sleep(0.5)
-        pids = {"lastevent worker": procs[0].pid, "lastevent API": procs[1].pid}
-        yield System("lastevent", f"http://127.0.0.1:{port}", pids, redis_url)
+        own = {"lastevent worker": procs[0].pid, "lastevent API": procs[1].pid}
+        yield System("lastevent", f"http://127.0.0.1:{port}", {**own, **(pids or {})}, redis_url)
     finally:
         stop(procs)
 
@@ -195,6 +210,17 @@ async def load(system: System, concurrency: int, per_client: int, max_tokens: in
 
 
 Rounds = dict[int, dict[str, list[Run]]]  # concurrency -> system -> its run of each round
+
+
+def interleaved(a: System, b: System, args: argparse.Namespace, rounds: Rounds) -> None:
+    """``args.rounds`` rounds, A B then B A, each at every concurrency, into ``rounds``."""
+    for r in range(args.rounds):
+        order = (a, b) if r % 2 == 0 else (b, a)
+        for c in args.concurrency:
+            for system in order:
+                run = asyncio.run(load(system, c, args.per_client, args.max_tokens))
+                rounds[c][system.name].append(run)
+                print(f"round {r + 1}, {system.name}, concurrency {c}: done", flush=True)
 
 
 def latency_table(rounds: Rounds) -> str:
@@ -280,20 +306,38 @@ def profiled(system: System, args: argparse.Namespace, out: Path) -> None:
                 print(f"  {cmd}: {calls / per:.0f} calls, {usec / per:.0f} us")
 
 
-def main() -> None:
+def arguments(doc: str | None, concurrency: list[int]) -> argparse.ArgumentParser:
+    """The options both comparisons take: the model, the load, the rounds, durability."""
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
         "--model-dir",
         type=Path,
         default=Path(__file__).resolve().parents[1] / ".cache/models" / MODEL,
     )
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=concurrency)
     parser.add_argument("--per-client", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--durability", choices=("memory", "disk"), default="disk")
+    return parser
+
+
+def vllm_bench_table(systems: tuple[System, ...], args: argparse.Namespace, out: Path) -> None:
+    """``vllm bench serve`` against each system, per backend: every request must complete."""
+    print("\nvllm bench serve (random dataset, its own stream parser):\n")
+    print(vllm_bench_serve.HEADER)
+    for backend in vllm_bench_serve.ENDPOINTS:
+        for system in systems:
+            result = vllm_bench_serve.vllm_bench(
+                system.url, backend, args.model_dir, num_prompts=args.vllm_bench, out=out
+            )
+            print(vllm_bench_serve.row(system.name, backend, result), flush=True)
+
+
+def main() -> None:
+    parser = arguments(__doc__, [1, 8, 32, 128])
     parser.add_argument(
         "--profile",
         type=int,
@@ -304,6 +348,15 @@ def main() -> None:
     parser.add_argument("--profile-seconds", type=int, default=20)
     parser.add_argument(
         "--idle-seconds", type=float, default=10, help="how long CPU at rest is measured"
+    )
+    parser.add_argument(
+        "--vllm-bench",
+        type=int,
+        metavar="N",
+        nargs="?",
+        const=64,
+        help="after the rounds, vLLM's own `vllm bench serve` (N random prompts, chat and "
+        "completions) against both systems (bench/vllm_bench_serve.py)",
     )
     args = parser.parse_args()
     if args.profile:
@@ -320,16 +373,12 @@ def main() -> None:
             lastevent_stack(args.model_dir, own.url, logs, args.durability) as lastevent,
         ):
             rest = at_rest((vllm, lastevent), args.idle_seconds)
-            for r in range(args.rounds):
-                order = (vllm, lastevent) if r % 2 == 0 else (lastevent, vllm)
-                for c in args.concurrency:
-                    for system in order:
-                        run = asyncio.run(load(system, c, args.per_client, args.max_tokens))
-                        rounds[c][system.name].append(run)
-                        print(f"round {r + 1}, {system.name}, concurrency {c}: done", flush=True)
+            interleaved(vllm, lastevent, args, rounds)
             if args.profile:
                 for system in (vllm, lastevent):
                     profiled(system, args, logs / "profile")
+            if args.vllm_bench:
+                vllm_bench_table((vllm, lastevent), args, logs / "vllm-bench")
     finally:
         own.stop()
     print()

@@ -6,7 +6,7 @@ import asyncio
 import io
 import logging
 import signal
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -51,3 +51,21 @@ def dump_tasks() -> None:
 def dump_tasks_on_sigusr1() -> None:
     """``kill -USR1 PID`` logs where the running loop's tasks wait."""
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump_tasks)
+
+
+async def teardown(
+    steps: list[tuple[str, Callable[[], Awaitable[object]]]], limit_s: float
+) -> None:
+    """Run the shutdown ``steps`` (name, call) in order, within ``limit_s`` in all: uvicorn
+    waits for an app's shutdown without a limit, so a step that hangs (a store that stopped
+    answering) would keep the process from exiting. The step that ran out is logged, with
+    where every task waits."""
+    pending = list(steps)
+    try:
+        async with asyncio.timeout(limit_s):
+            while pending:
+                await pending[0][1]()
+                pending.pop(0)
+    except TimeoutError:
+        log.warning("shutdown: %s did not finish within %g s", pending[0][0], limit_s)
+        dump_tasks()

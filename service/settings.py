@@ -52,8 +52,20 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     max_body_bytes: int = 1_000_000
+    # images (chat image_url, Responses input_image) for a model whose worker sees them:
+    # at most this many per request, each at most this many bytes decoded (a data URL is
+    # also bounded by max_body_bytes); remote http(s) URLs fetched by the API only when
+    # image_fetch is on (off: a 400), each within image_fetch_timeout_s
+    max_images: int = 8
+    image_max_bytes: int = 4_000_000
+    image_max_pixels: int = 33_177_600  # width x height (7680x4320), as its header says
+    image_fetch: bool = False
+    image_fetch_timeout_s: float = 10.0
     drain_s: float = 10.0  # on SIGTERM: streams are told to reconnect; exit within this
     reconnect_hint_ms: int = 1000  # the SSE `retry:` sent to streams when draining
+    # streams' framing unless a request asks (X-SSE-Framing / ?sse_framing=): "resumable"
+    # (id: and retry: lines) or "openai" (data: lines only, event_id in each chunk's JSON)
+    sse_framing: str = "resumable"
     send_timeout_s: float = 30.0  # a client that accepts no bytes this long is cut off
     request_read_timeout_s: float = 10.0  # the whole request (head + body) must arrive in this
     http: str = "httptools"  # the HTTP/1.1 implementation: httptools (C) | h11 (pure Python)
@@ -65,8 +77,25 @@ class Settings:
     stream_token_secret: str | None = None  # None: one made at random, shared via Redis
     stream_token_ttl_s: float = 3600.0  # how long a stream token reads its request
     idempotency_ttl_s: int = 86400  # an Idempotency-Key names the same request this long
-    dev_api_key: str = "sk-le-dev-localdevelopment"  # created by `lastevent up` only
-    dev_operator_key: str = "sk-le-devops-localoperator"  # likewise (the console's)
+    # the keys `lastevent up` makes for local use (service/cli/local_keys.py): "random"
+    # (made once, kept in the data dir, printed at every start), "" (none), or a key
+    # sk-le-<id>-<secret> (refused when `up` listens beyond loopback or uses outside servers)
+    dev_api_key: str = "random"  # tenant dev
+    dev_operator_key: str = "random"  # tenant ops (the console's)
+    # the Host names the API answers (DNS rebinding): "api.example.com,*.example.org"; "*":
+    # any; "[ip]": any IP address. Empty: any, but loopback names and IP addresses under
+    # `lastevent up` (service/api/gate.py)
+    allowed_hosts: str = ""
+    # proxies whose X-Forwarded-For names the client (uvicorn's forwarded_allow_ips):
+    # "10.0.0.0/8,127.0.0.1"; empty: none (the client is the connection's peer)
+    trusted_proxies: str = ""
+    # failed API keys / stream tokens one client address may send per minute, then 429
+    # until the minute has passed, without asking Postgres (0: unlimited)
+    auth_failures_per_minute: int = 30
+    # open readers (streams) of one request, and of one API key, per API process (0:
+    # unlimited); beyond them a reader gets 429 with Retry-After
+    max_readers_per_request: int = 16
+    max_readers_per_key: int = 1000
     default_max_tokens: int = 256
     max_model_len: int = 8192
 
@@ -116,7 +145,7 @@ class Settings:
     cancel_wait_s: float = 5.0  # POST .../cancel waits this long for the terminal event
 
     # worker
-    engine: str = "cpu"  # cpu | scripted
+    engine: str = "cpu"  # cpu | scripted | vllm | upstream
     worker_id: str = dataclasses.field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     )
@@ -125,6 +154,8 @@ class Settings:
     # and the prompt tokens a joining request prefills per step (its wait for the others)
     cpu_max_batch: int = 8
     cpu_prefill_chunk: int = 256
+    # a structured request whose grammar (JSON schema) takes longer to compile ends in error
+    grammar_compile_timeout_s: float = 10.0
     worker_drain_s: float = 30.0  # on SIGTERM: running requests may finish this long, then
     # the rest are handed over to another worker
     max_takeovers: int = 2  # times a request's worker may be lost and another continue it
@@ -145,6 +176,15 @@ class Settings:
     vllm_gpu_memory_utilization: float = 0.9
     vllm_kv_cache_gb: float | None = None  # CPU build only (VLLM_CPU_KVCACHE_SPACE)
     vllm_enforce_eager: bool = False  # True on CPU: torch.compile takes minutes there
+
+    # upstream engine (LASTEVENT_ENGINE=upstream): an OpenAI-compatible server does the work
+    upstream_url: str = ""  # its base URL, ending in /v1 (several, comma-separated: replicas)
+    upstream_api_key: str | None = None
+    upstream_model: str | None = None  # the name it serves (None: LASTEVENT_MODEL_NAME)
+    upstream_mode: str = "tokens"  # tokens (vLLM's server: exact) | text (any server)
+    upstream_idle_timeout_s: float = 30.0  # its stream, once it spoke, silent this long: hung
+    upstream_first_token_timeout_s: float = 600.0  # ... or silent from the start this long
+    upstream_retry_s: float = 30.0  # a request tries a failing upstream again this long
 
     # recorder (outbox -> Postgres rows + archived logs)
     recorder_in_worker: bool = True  # each worker also runs a recorder
@@ -198,7 +238,7 @@ class Settings:
         values: dict[str, Any] = {}
         for field in dataclasses.fields(cls):
             raw = env.get(PREFIX + field.name.upper())
-            if raw is None or raw == "":
+            if raw is None or (raw == "" and field.name not in EMPTY_MEANS_NONE):
                 continue
             values[field.name] = _convert(field.type, raw, field.name)
         values.update(overrides)
@@ -214,6 +254,9 @@ class Settings:
             out[PREFIX + field.name.upper()] = str(value)
         return out
 
+
+# settings where an empty value is a choice ("none"), not "the default"
+EMPTY_MEANS_NONE = frozenset({"dev_api_key", "dev_operator_key"})
 
 # former names, still read (the new name wins when both are set)
 ALIASES = {"RESUME_GRACE_S": "RESUME_WINDOW_S", "MODEL": "MODEL_NAME"}

@@ -17,6 +17,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -143,3 +144,18 @@ def database_url(pg_admin_url: str) -> Iterator[str]:
 @pytest.fixture
 def key_prefix() -> str:
     return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="module")
+def upstream_server(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Any]:
+    """The test upstream (``tests/upstream_server.py``: vLLM's token-mode subset) over the
+    CPU engine, a process of its own, one per module."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from tests.upstream_server import ServerProcess
+
+    server = ServerProcess(tmp_path_factory.mktemp("upstream"), model_dir, engine="cpu")
+    try:
+        yield server.start()
+    finally:
+        server.stop()

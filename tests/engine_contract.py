@@ -29,6 +29,7 @@ The cases:
 - a consumer that closes the generator frees the engine for the next request;
 - two concurrent requests both complete with their own outputs (a serial engine
   may run the second after the first);
+- images for an engine whose model does not see (``images`` False) raise ``EngineError``;
 - a prompt the engine cannot run (out-of-vocabulary id, empty) raises
   ``EngineError``, and so does ``generate`` before ``start``; the engine serves the
   next request afterwards;
@@ -46,6 +47,7 @@ The cases:
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import math
 import uuid
@@ -71,6 +73,10 @@ ABORT_AFTER = 3  # steps read before the abort
 ABORT_SLACK = 3  # steps allowed after the abort, the abort step included
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+# a 1x1 PNG: images for an engine whose model does not see
+PNG_1X1 = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+)
 
 # A question SmolLM2-135M-Instruct answers, under the schema, with a short JSON object
 # and EOS; and the schema (the scripted engine's script is not JSON: it skips those).
@@ -353,6 +359,21 @@ class EngineContract:
         await self._assert_released(contract_engine)
         steps = await collect(contract_engine, chat_ids(model, LONG), GREEDY, "good")
         assert len(ids_of(steps)) == GREEDY.max_tokens
+
+    async def test_images_for_a_model_that_does_not_see_raise_engine_error(
+        self, contract_engine: Engine, model: ModelInfo
+    ) -> None:
+        """(The API refuses them first: its worker declared ``images`` False.)"""
+        if contract_engine.images:
+            pytest.skip("its model sees")
+        gen = contract_engine.generate(
+            f"images-{uuid.uuid4().hex}", chat_ids(model, SHORT), GREEDY, images=[PNG_1X1]
+        )
+        with pytest.raises(EngineError):
+            async with asyncio.timeout(SAFETY_S):
+                async for _ in gen:
+                    pass
+        await self._assert_released(contract_engine)
 
     async def test_generate_before_start_raises_engine_error(
         self, contract_cold_engine: Engine, model: ModelInfo

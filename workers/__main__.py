@@ -62,6 +62,7 @@ def build_engine(settings: Settings, model: ModelInfo) -> Engine:
             eos_token_ids=model.eos_token_ids,
             max_batch=settings.cpu_max_batch,
             prefill_chunk=settings.cpu_prefill_chunk,
+            grammar_timeout_s=settings.grammar_compile_timeout_s,
         )
     if settings.engine == "vllm":
         from workers.engines.vllm import VllmConfig, VllmEngine
@@ -79,8 +80,39 @@ def build_engine(settings: Settings, model: ModelInfo) -> Engine:
                 adapters=tuple(adapters.items()),
             )
         )
+    if settings.engine == "upstream":
+        return _upstream(settings, model, adapters)
     raise SystemExit(
-        f"unknown engine {settings.engine!r} (LASTEVENT_ENGINE: cpu | scripted | vllm)"
+        f"unknown engine {settings.engine!r} (LASTEVENT_ENGINE: cpu | scripted | vllm | upstream)"
+    )
+
+
+def _upstream(settings: Settings, model: ModelInfo, adapters: dict[str, str]) -> Engine:
+    from workers.engines.upstream import UpstreamConfig, UpstreamEngine
+    from workers.engines.upstream_text import TextUpstreamEngine
+
+    if settings.upstream_mode not in ("tokens", "text"):
+        raise SystemExit(f"LASTEVENT_UPSTREAM_MODE is {settings.upstream_mode!r}: tokens | text")
+    try:
+        urls = UpstreamConfig.parse_urls(settings.upstream_url)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    config = UpstreamConfig(
+        urls=urls,
+        model=settings.upstream_model or settings.model_name,
+        api_key=settings.upstream_api_key,
+        eos_token_ids=model.eos_token_ids,
+        idle_timeout_s=settings.upstream_idle_timeout_s,
+        first_token_timeout_s=settings.upstream_first_token_timeout_s,
+        retry_s=settings.upstream_retry_s,
+    )
+    if adapters:  # (their names are the upstream's: it serves them)
+        raise SystemExit(
+            "LASTEVENT_LORA_MODULES is for in-process engines; an upstream's adapters are "
+            "models of their own: one worker each (LASTEVENT_UPSTREAM_MODEL)"
+        )
+    return (
+        TextUpstreamEngine(config) if settings.upstream_mode == "text" else UpstreamEngine(config)
     )
 
 
@@ -187,6 +219,7 @@ async def serve_recorder(settings: Settings) -> None:
 
 def main(settings: Settings | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # (a line per upstream call)
     settings = settings or Settings.from_env()
     aio.run(serve(settings), settings.event_loop)
 

@@ -102,7 +102,12 @@ class ChoiceRun:
                 self._covered = self.asm.completion_tokens
             self._after += len(out.token_ids)
             return Action(stop=self._aborted(signals.decided) if out.finished else None)
-        step = self.asm.step(out.token_ids, out.logprobs)
+        if out.text is not None:  # (an engine that streams text)
+            step = self.asm.step_text(out.text, int(bool(out.text)))
+        else:
+            step = self.asm.step(out.token_ids, out.logprobs)
+        if out.completion_tokens is not None:  # the engine's own count, at the end
+            self.asm.completion_tokens = out.completion_tokens
         self._note(step.events)
         if step.stopped:  # a stop string completed: free the engine now
             return Action(step.events, abort=True, stop=self._finished(None))
@@ -130,7 +135,7 @@ class ChoiceRun:
         return Action(abort=True, stop=endings.FENCED_OUT)
 
     def _note(self, events: Sequence[Event]) -> None:
-        self._logged += sum(len(e.token_ids) for e in events if isinstance(e, Delta))
+        self._logged += sum(e.consumed for e in events if isinstance(e, Delta))
 
     def _shown(self) -> Shown:
         asm = self.asm

@@ -38,6 +38,12 @@ from workers.decide import Action, ChoiceRun, Signals
 from workers.engines.base import Engine, EngineError
 from workers.metrics import FirstToken, Steps
 
+# a request another worker started, on an engine that cannot continue it (an upstream
+# in text mode: the log holds the text, no ids to prefill)
+NOT_CONTINUABLE = Failure(
+    "worker_lost", "the worker serving this request was lost, and its engine cannot continue it"
+)
+
 
 def engine_id(request_id: str, index: int) -> str:
     """The engine's request id of choice ``index`` (choice 0's is the request's)."""
@@ -76,6 +82,9 @@ class Generation:
         self._choices: dict[str, int] = {}  # running request -> its choices
         # running request -> (worker, how it came to run it): put on its first delta
         self._marks: dict[str, tuple[str, str]] = {}
+        # running request -> its prompt's tokens as the engine counted them (images), when
+        # the engine said: the ending's usage (the runner takes it out)
+        self.prompt_tokens: dict[str, int] = {}
 
     async def abort(self, request_id: str) -> None:
         """Abort every choice of a request in the engine."""
@@ -146,6 +155,9 @@ class Generation:
         first_token: FirstToken,
     ) -> Stopped:
         params = choice_params(job.params, index)
+        if logged and not self.engine.continues:  # (the log holds text, no ids)
+            made = logged[-1].n
+            return endings.failed_choice(index, NOT_CONTINUABLE, made, made)
         try:
             run, action = self._start(job, index, params, logged)
         except ResumeMismatch as exc:
@@ -186,11 +198,21 @@ class Generation:
         """Step the engine until the choice is over; the action that ended it (applied)."""
         adapter = job.model if job.model and job.model != self.model.name else None
         made = list(run.asm.token_ids)
-        gen = self.engine.generate(eid, job.prompt_token_ids, params, made, adapter=adapter)
+        gen = self.engine.generate(
+            eid,
+            job.prompt_token_ids,
+            params,
+            made,
+            adapter=adapter,
+            conversation=job.conversation,
+            images=job.images,
+        )
         async with contextlib.aclosing(gen):
             async for out in gen:
-                steps.output(len(out.token_ids))
-                if out.token_ids and first_token.at is None:
+                if out.prompt_tokens is not None:
+                    self.prompt_tokens[job.request_id] = out.prompt_tokens
+                steps.output(len(out.token_ids) or int(bool(out.text)))
+                if (out.token_ids or out.text) and first_token.at is None:
                     first_token.seen(time.time())
                 action = run.step(out, signals)
                 if await self._apply(action, owner, eid, job, steps):

@@ -69,7 +69,8 @@ class Runner:
             self.control,
             settings.worker_id,
             check_s=settings.presence_check_s,
-            park_after_s=settings.park_after_s,
+            # (an engine that cannot continue a request keeps it running for its window)
+            park_after_s=settings.park_after_s if engine.continues else -1,
             silent_s=settings.redis_silent_s,
             undecided=lambda: [r for r, s in self.serve.running.items() if s.decided is None],
             decide=self.decide,
@@ -96,7 +97,12 @@ class Runner:
     async def run(self) -> None:
         await self.queue.ensure_group()
         try:
-            await self.registry.declare(self.models[0], list(self.models[1:]))
+            await self.registry.declare(
+                self.models[0],
+                list(self.models[1:]),
+                engine=self.engine.name,
+                images=self.engine.images,
+            )
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
         self.batcher.start()
@@ -127,6 +133,9 @@ class Runner:
     async def _claim(self, partition: int, slots: asyncio.Semaphore) -> None:
         lost_reply = True  # at start: jobs a previous run under this id left pending
         while not self._stopping.is_set():
+            if not self.engine.available:  # (an upstream that refuses connections)
+                await asyncio.sleep(0.2)
+                continue
             await slots.acquire()
             taken = 1
             while taken < MAX_CLAIM_BURST and not slots.locked():  # a burst in one read
@@ -210,7 +219,8 @@ class Runner:
             await asyncio.sleep(self.settings.worker_heartbeat_s)
 
     async def _beat(self) -> None:
-        stopping = self._stopping.is_set()  # still alive, but no slots for admission
+        # still alive, but no slots for admission: stopping, or its upstream is down
+        stopping = self._stopping.is_set() or not self.engine.available
         beat = Heartbeat(
             0 if stopping else self.settings.worker_concurrency,
             0 if stopping else len(self._tasks),

@@ -168,10 +168,11 @@ class Serve:
         finally:
             del self.running[rid]
             self._forget(rid)
+            prompt_tokens = self.generation.prompt_tokens.pop(rid, len(job.prompt_token_ids))
         request = endings.Request(
             rid,
             owner.first,
-            len(job.prompt_token_ids),
+            prompt_tokens,
             dispatched_ms,
             recovery,
             self.settings.worker_id,

@@ -38,6 +38,7 @@ CONTAINER = "worker"
 # the ConfigMap entries that hold the Redis address(es) as KEDA wants them (host:port)
 ADDRESS_ENV = "REDIS_ADDRESS"
 ADDRESSES_ENV = "REDIS_ADDRESSES"
+PASSWORD_ENV = "REDIS_PASSWORD"
 
 
 def triggers(
@@ -50,6 +51,8 @@ def triggers(
         if cluster
         else {"addressFromEnv": ADDRESS_ENV, "databaseIndex": "0"}
     )
+    # the worker container's REDIS_PASSWORD (the Secret lastevent-redis)
+    connection["passwordFromEnv"] = PASSWORD_ENV
     kind = "redis-cluster-streams" if cluster else "redis-streams"
     out: list[dict[str, Any]] = []
     for p in keys.all_partitions:

@@ -48,5 +48,11 @@ if [ -s "$conf" ]; then
     mv "$conf.new" "$conf"
 fi
 
+# REDIS_PASSWORD (compose.cluster.yaml and the Kubernetes overlay require it): every
+# client must send it (requirepass), and a replica sends it to its primary (masterauth)
+if [ -n "${REDIS_PASSWORD:-}" ]; then
+    set -- "$@" --requirepass "$REDIS_PASSWORD" --masterauth "$REDIS_PASSWORD"
+fi
+
 # the image's entrypoint: as root it hands the data dir to the redis user and drops to it
 exec "${REDIS_ENTRYPOINT:-docker-entrypoint.sh}" redis-server "$here/redis.conf" "$@"

@@ -41,13 +41,24 @@ class Admission:
         s = self.settings
         if not s.max_concurrent_per_key and not s.rate_limit_rpm:
             return
+        await self._count(principal, request_id, s.rate_limit_rpm)
+
+    async def returning(self, principal: str, request_id: str) -> None:
+        """A reader comes back to a parked request, which will go on: it is admitted as a
+        new request is, against its key's limit of requests in flight (its slot was freed
+        when it was parked), or refused with 429 -- it stays parked meanwhile. (Not a new
+        request: the rate counted it once.)"""
+        await self._count(principal, request_id, 0)
+
+    async def _count(self, principal: str, request_id: str, per_minute: int) -> None:
+        s = self.settings
         now = int(time.time() * 1000)
         verdict, retry_ms = await self.limits.admit(
             principal,
             request_id,
             now_ms=now,
             max_in_flight=s.max_concurrent_per_key,
-            per_minute=s.rate_limit_rpm,
+            per_minute=per_minute,
             slot_expiry_ms=self._slot_expiry_ms(now),
         )
         if verdict == Admitted.TOO_MANY_IN_FLIGHT:

@@ -35,9 +35,15 @@ CLIENT_GONE = 499  # nginx's "client closed request": nobody reads this answer
 
 
 async def completion(
-    ctx: Context, request: Request[Any, Any, Any], acc: Accepted, *, stream: bool, kind: str
+    ctx: Context,
+    request: Request[Any, Any, Any],
+    acc: Accepted,
+    *,
+    stream: bool,
+    kind: str,
+    framed: sse.Framing = sse.RESUMABLE,
 ) -> Response[Any] | Stream:
-    """A chat or text completion: SSE chunks, or the whole answer."""
+    """A chat or text completion: SSE chunks (``framed`` so), or the whole answer."""
     if not acc.replayed:
         REQUESTS.labels(kind=kind, stream=str(stream).lower(), model=acc.created.model).inc()
     rid, created = acc.request_id, acc.created
@@ -62,12 +68,16 @@ async def completion(
                 raise intake.foreign_cursor(cursor, rid, param)
             if nothing_after(rid, created, last, cursor):  # it has it all: stop
                 return Response(b"", status_code=204, headers=acc.headers)
-    frames = sse_frames(ctx, rid, created, cursor, lease=acc.lease)
+    frames = sse_frames(ctx, rid, created, cursor, lease=acc.lease, framing=framed)
     return Stream(frames, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **acc.headers})
 
 
 async def response(
-    ctx: Context, request: Request[Any, Any, Any], acc: Accepted, body: ResponsesRequest
+    ctx: Context,
+    request: Request[Any, Any, Any],
+    acc: Accepted,
+    body: ResponsesRequest,
+    framed: sse.Framing = sse.RESUMABLE,
 ) -> Response[Any] | Stream:
     """A response: its events, its object once it ended, or -- in background mode -- its
     object at once (queued, or as far as it got for a replay)."""
@@ -77,7 +87,7 @@ async def response(
     rid, created = acc.request_id, acc.created
     if body.stream:
         after = intake.sequence_cursor(request) if acc.replayed else None
-        frames = response_frames(ctx, rid, created, after, lease=acc.lease)
+        frames = response_frames(ctx, rid, created, after, lease=acc.lease, framing=framed)
         return Stream(frames, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **acc.headers})
     if body.background:  # answered at once: it runs with no reader
         renderer = response_renderer(rid, created)

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -17,15 +17,15 @@ from litestar import Litestar, Request, Response
 from litestar.config.cors import CORSConfig
 from litestar.di import Provide
 from litestar.exceptions import HTTPException, ValidationException
-from litestar.openapi import OpenAPIConfig
 from redis.asyncio import Redis
 
 from service import aio
-from service.api import tokens
+from service.api import framing, tokens
 from service.api.admission import Admission
-from service.api.auth import Authenticator, Principal
+from service.api.auth import Authenticator, Principal, TooManyFailures
 from service.api.catalog import Catalog
 from service.api.context import Context, Drain
+from service.api.intake import JsonBodyRequest
 from service.api.metrics import REJECTED, watch_loop_lag
 from service.api.routes.admin import AdminController
 from service.api.routes.completions import CompletionsController
@@ -33,9 +33,12 @@ from service.api.routes.console import ConsoleController
 from service.api.routes.playground import PlaygroundController
 from service.api.routes.requests import RequestsController
 from service.api.routes.responses import ResponsesController
+from service.api.routes.responses_ws import responses_socket
 from service.api.routes.stored import StoredCompletionsController
 from service.api.routes.system import SystemController
 from service.api.routes.vllm_compat import VllmCompatController
+from service.api.seats import Seats
+from service.api.static_files import openapi_config
 from service.api.sweeper import Sweeper
 from service.errors import ApiError, ServiceUnavailable, Unauthorized
 from service.ledger.api_keys import ApiKeys
@@ -56,6 +59,7 @@ from service.store.presence import Presence
 from service.store.queue import RequestQueue
 from service.store.shared import IdempotencyKeys
 from service.store.tail import LogTailer
+from service.stream import sse
 from service.tokenize import ModelInfo
 
 log = logging.getLogger("lastevent.api")
@@ -147,10 +151,20 @@ async def _stream_token_principal(
             "(GET /v1/requests/{id} and /v1/requests/{id}/events); send an API key",
             code="stream_token_not_accepted",
         )
+    client = _client(request)
+    if wait := ctx.auth.throttle(client):
+        raise TooManyFailures(wait)
     principal = (await ctx.stream_tokens()).verify(token, request.path_params["request_id"])
     if principal is None:
+        ctx.auth.failed(client)
         raise Unauthorized(
             "the stream token is not valid for this request (or it expired)",
+            code="invalid_stream_token",
+        )
+    if principal.key_id is not None and not await ctx.auth.live(principal.key_id):
+        ctx.auth.failed(client)
+        raise Unauthorized(
+            "the API key this stream token was made from was revoked",
             code="invalid_stream_token",
         )
     return principal
@@ -165,7 +179,13 @@ def cors_config(settings: Settings) -> CORSConfig | None:
     return CORSConfig(
         allow_origins=origins,
         allow_methods=["GET", "POST", "OPTIONS"],
-        allow_headers=["Authorization", "Content-Type", "Last-Event-ID", "Idempotency-Key"],
+        allow_headers=[
+            "Authorization",
+            "Content-Type",
+            "Last-Event-ID",
+            "Idempotency-Key",
+            framing.HEADER,
+        ],
         expose_headers=["X-Request-Id", "Retry-After", tokens.HEADER],
         allow_credentials=False,
         max_age=600,
@@ -188,7 +208,10 @@ async def serving(
     committer = commit.of(settings, redis, keys)
     await commit.started(committer, "api", settings.startup_replica_wait_s)
     ledger = Ledger(make_engine(settings.database_url)) if settings.database_url else None
-    ctx = _context(settings, models, drain, (redis, tail_redis, committer), ledger)
+    # key lookups on a pool of their own: made-up keys cannot take the ledger's connections
+    url = settings.database_url
+    key_store = ApiKeys(make_engine(url, pool_size=2)) if url else None
+    ctx = _context(settings, models, drain, (redis, tail_redis, committer), ledger, key_store)
     drain.bind(asyncio.get_running_loop())
     assert drain.future is not None
     drain.future.add_done_callback(lambda _f: ctx.tailer.interrupt())
@@ -203,17 +226,22 @@ async def serving(
     try:
         yield ctx
     finally:
-        for task in (sweeping, lag, cataloguing):
+        tasks = (sweeping, lag, cataloguing)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(sweeping, lag, cataloguing, return_exceptions=True)
-        await ctx.presence.stop()
-        await ctx.tailer.stop()
         if committer.barriers:
             log.info("commit barriers sent: %d (%s)", committer.barriers, committer.level)
+        steps: list[tuple[str, Callable[[], Awaitable[object]]]] = [
+            ("background tasks", lambda: asyncio.gather(*tasks, return_exceptions=True)),
+            ("readers' leases", ctx.presence.stop),
+            ("tailer", ctx.tailer.stop),
+        ]
         if ledger is not None:
-            await ledger.close()
-        await redis.aclose()
-        await tail_redis.aclose()
+            steps.append(("ledger", ledger.close))
+        if key_store is not None:
+            steps.append(("key store", key_store.engine.dispose))
+        steps += [("redis", redis.aclose), ("tail redis", tail_redis.aclose)]
+        await aio.teardown(steps, settings.drain_s)
 
 
 def _sweeper(settings: Settings, redis: Redis, ctx: Context) -> Sweeper:
@@ -243,6 +271,7 @@ def _context(
     drain: Drain,
     stores: tuple[Redis, Redis, Committer],
     ledger: Ledger | None,
+    key_store: ApiKeys | None = None,
 ) -> Context:
     redis, tail_redis, committer = stores
     keys = committer.keys
@@ -277,20 +306,49 @@ def _context(
             control, lease_ttl_s=settings.lease_ttl_s, refresh_s=settings.lease_refresh_s
         ),
         auth=Authenticator(
-            ApiKeys(ledger.engine) if ledger else None,
+            key_store,
             auth=settings.auth,
             cache_s=settings.auth_cache_s,
+            failures_per_minute=settings.auth_failures_per_minute,
         ),
         admission=Admission(Limits(redis, keys), Heartbeats(redis, keys), settings),
         drain=drain,
         idempotency=IdempotencyKeys(redis, keys, settings.idempotency_ttl_s),
         audit=Audit(ledger.engine) if ledger else None,
+        seats=Seats(settings.max_readers_per_request, settings.max_readers_per_key),
     )
+
+
+def _handlers() -> dict[
+    int | type[Exception], Callable[[Request[Any, Any, Any], Any], Response[Any]]
+]:
+    return {
+        ApiError: _api_error,
+        HTTPException: _http_error,
+        **{e: _store_unavailable for e in UNREACHABLE if e is not OSError},
+        # (a refused / reset connection: redis-py's cluster client re-learning its slot
+        # map lets the socket's own error out)
+        ConnectionError: _store_unavailable,
+        PostgresUnavailable: _ledger_unavailable,
+        Exception: _internal_error,
+    }
+
+
+def _client(request: Request[Any, Any, Any]) -> str | None:
+    """The client's address (a trusted proxy's X-Forwarded-For: ``server.py``)."""
+    return request.client.host if request.client else None
+
+
+def _provide_ctx(request: Request[Any, Any, Any]) -> Context:
+    ctx: Context = request.app.state.ctx
+    return ctx
 
 
 def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
     models = {name: ModelInfo.load(path, name) for name, path in settings.model_dirs.items()}
     drain = drain or Drain()
+    if settings.sse_framing not in sse.FRAMINGS:
+        raise ValueError(f"LASTEVENT_SSE_FRAMING={settings.sse_framing!r}: resumable or openai")
     if settings.auth == "required" and not settings.database_url:
         raise RuntimeError(
             "API keys live in Postgres: set LASTEVENT_DATABASE_URL or LASTEVENT_AUTH=off"
@@ -303,17 +361,13 @@ def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
             app.state.ctx = ctx
             yield
 
-    def provide_ctx(request: Request[Any, Any, Any]) -> Context:
-        ctx: Context = request.app.state.ctx
-        return ctx
-
     async def provide_principal(request: Request[Any, Any, Any]) -> Principal:
         ctx: Context = request.app.state.ctx
         authorization = request.headers.get("authorization")
         token = request.query_params.get(tokens.QUERY)
         if token is not None and not authorization:
             return await _stream_token_principal(ctx, request, token)
-        return await ctx.auth.principal(authorization)
+        return await ctx.auth.principal(authorization, _client(request))
 
     return Litestar(
         cors_config=cors_config(settings),
@@ -321,6 +375,7 @@ def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
             CompletionsController,
             RequestsController,
             ResponsesController,
+            responses_socket,
             StoredCompletionsController,
             SystemController,
             VllmCompatController,
@@ -329,22 +384,16 @@ def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
             ConsoleController,
         ],
         dependencies={
-            "ctx": Provide(provide_ctx, sync_to_thread=False),
+            "ctx": Provide(_provide_ctx, sync_to_thread=False),
             "principal": Provide(provide_principal),
         },
-        exception_handlers={
-            ApiError: _api_error,
-            HTTPException: _http_error,
-            **{e: _store_unavailable for e in UNREACHABLE if e is not OSError},
-            # (a refused / reset connection: redis-py's cluster client re-learning its
-            # slot map lets the socket's own error out)
-            ConnectionError: _store_unavailable,
-            PostgresUnavailable: _ledger_unavailable,
-            Exception: _internal_error,
-        },
+        exception_handlers=_handlers(),
         lifespan=[lifespan],
+        # every route's body: JSON that cannot be read is a 400 (Litestar's own reading
+        # lets a RecursionError out as a 500), read before the key is checked
+        request_class=JsonBodyRequest,
         request_max_body_size=settings.max_body_bytes,
-        openapi_config=OpenAPIConfig(title="lastevent", version="0.1.0", path="/schema"),
+        openapi_config=openapi_config(title="lastevent", version="0.1.0"),
         type_encoders={msgspec.Struct: msgspec.to_builtins},
         debug=False,
     )

@@ -5,6 +5,7 @@ for a client that stopped reading it blocks when the socket buffers are full. Th
 decouples the engine from readers, so such a client never slows generation -- but it
 would hold a connection and a reader forever. After ``send_timeout_s`` without
 progress the send fails, the response task ends and the server closes the connection.
+A WebSocket's messages are timed the same way.
 
 No timer per send (``asyncio.wait_for`` cost ~12 us a send, a task each; at 10,000
 events/s that was an eighth of a core): each send notes when it started, and one
@@ -34,7 +35,7 @@ class SendTimeoutMiddleware:
         self._watchdog: asyncio.Task[None] | None = None
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         loop = asyncio.get_running_loop()
@@ -45,7 +46,7 @@ class SendTimeoutMiddleware:
             task = asyncio.current_task()
             if message["type"] == "http.response.start":
                 message["headers"] = _cors_first(message.get("headers", []))
-            if message["type"] != "http.response.body" or task is None:
+            if message["type"] not in _TIMED or task is None:
                 await send(message)
                 return
             self._sending[task] = loop.time()
@@ -74,6 +75,9 @@ class SendTimeoutMiddleware:
                     self._expired.add(task)
                     with contextlib.suppress(RuntimeError):
                         task.cancel()
+
+
+_TIMED = frozenset({"http.response.body", "websocket.send"})  # a body's bytes, a message
 
 
 def _cors_first(headers: Any) -> list[Any]:

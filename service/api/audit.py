@@ -128,7 +128,7 @@ def timeline(entries: Entries) -> list[dict[str, Any]]:
             "type": type(event).__name__.lower(),
         }
         if isinstance(event, Delta):
-            item.update(index=event.index, chars=len(event.text), tokens=len(event.token_ids))
+            item.update(index=event.index, chars=len(event.text), tokens=event.consumed)
             if event.by is not None:
                 item.update(worker=event.by, how=event.how)
         elif isinstance(event, Error):
@@ -213,9 +213,14 @@ def moment(raw: str | None, param: str) -> dt.datetime | None:
         if math.isfinite(seconds):
             return dt.datetime.fromtimestamp(seconds, tz=dt.UTC)
         when = dt.datetime.fromisoformat(raw)
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=dt.UTC)
+        # in UTC here: an offset can carry it past year 1 or 9999, which Postgres' driver
+        # refused with a 500 ("0001-01-01T00:00+23:59")
+        return when.astimezone(dt.UTC)
     except (ValueError, OverflowError, OSError):
         shown = raw[:40]
         raise InvalidRequest(
-            f"{param} is {shown!r}: use ISO 8601 or unix seconds", param=param
+            f"{param} is {shown!r}: use ISO 8601 or unix seconds (years 1 to 9999 in UTC)",
+            param=param,
         ) from None
-    return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)

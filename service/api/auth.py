@@ -11,6 +11,12 @@ key never seen before is a 503 with ``Retry-After`` (``key_store_unavailable``):
 process cannot know. After a failure at most one lookup per ``probe_interval_s`` asks
 the store (a cached key's in the background, so its request does not wait); the first
 answer ends the outage and the cache refreshes as usual again.
+
+Keys the store called unknown are remembered apart (``_unknown``), so a flood of made-up
+keys neither asks Postgres twice for one nor pushes real keys out of the cache; and a
+client address that sent ``failures_per_minute`` credentials that were not valid gets
+429 (``too_many_auth_failures``) for the rest of that minute for any key the cache
+cannot answer alone (``throttle.py``): it costs Postgres nothing more.
 """
 
 from __future__ import annotations
@@ -22,12 +28,15 @@ import hmac
 import logging
 import re
 import time
+from typing import TypeVar
 
-from service.errors import ServiceUnavailable, Unauthorized
+from service.api.throttle import FailureLimit
+from service.errors import ApiError, ServiceUnavailable, Unauthorized
 from service.ledger.api_keys import ApiKeys, PostgresUnavailable, hash_secret
 from service.ledger.models import ApiKeyRow
 
 log = logging.getLogger("lastevent.auth")
+T = TypeVar("T")
 
 KEY_RE = re.compile(r"sk-le-([a-z0-9]{1,32})-([A-Za-z0-9]{8,128})")
 
@@ -55,6 +64,20 @@ def parse_key(raw: str) -> tuple[str, str] | None:
 RETRY_AFTER_S = 2  # told to the holder of a key never seen while the store is down
 PROBE_INTERVAL_S = 1.0  # while the store is failing: at most one lookup per interval
 MAX_ENTRIES = 10_000
+MAX_UNKNOWN = 100_000  # key ids the store called unknown, remembered apart
+
+
+class TooManyFailures(ApiError):
+    status_code = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, retry_after_s: int) -> None:
+        super().__init__(
+            "too many API keys or stream tokens that are not valid came from this address; "
+            f"retry in {retry_after_s} s",
+            code="too_many_auth_failures",
+            headers={"Retry-After": str(retry_after_s)},
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -72,13 +95,16 @@ class Authenticator:
         cache_s: float = 30.0,
         probe_interval_s: float = PROBE_INTERVAL_S,
         max_entries: int = MAX_ENTRIES,
+        failures_per_minute: int = 0,
     ):
         self.keys = keys
         self.auth = auth
         self.cache_s = cache_s
         self.probe_interval_s = probe_interval_s
         self.max_entries = max_entries
-        self._cache: dict[str, _Answer] = {}  # oldest answer first
+        self._cache: dict[str, _Answer] = {}  # known keys, oldest answer first
+        self._unknown: dict[str, float] = {}  # key id -> when the store said "no such key"
+        self.failures = FailureLimit(failures_per_minute)
         self._lookups: dict[str, asyncio.Future[ApiKeyRow | None]] = {}  # one per key
         self._refreshes: set[asyncio.Task[None]] = set()
         self._failing_since: float | None = None  # the store's last lookup failed
@@ -88,9 +114,28 @@ class Authenticator:
     def store_failing(self) -> bool:
         return self._failing_since is not None
 
-    async def principal(self, authorization: str | None) -> Principal:
+    def throttle(self, client: str | None) -> int:
+        """Seconds the client address must wait before a credential the cache cannot
+        answer is looked at (0: none)."""
+        return 0 if client is None else self.failures.retry_after(client, time.monotonic())
+
+    def failed(self, client: str | None) -> None:
+        if client is not None:
+            self.failures.failed(client, time.monotonic())
+
+    async def principal(self, authorization: str | None, client: str | None = None) -> Principal:
         """The caller, from the ``Authorization`` header; ``Unauthorized`` otherwise
-        (``ServiceUnavailable`` for a key not seen before while Postgres is down)."""
+        (``ServiceUnavailable`` for a key not seen before while Postgres is down;
+        ``TooManyFailures`` for one the cache cannot answer, from a client that sent too
+        many that were not valid)."""
+        try:
+            return await self._principal(authorization, client)
+        except Unauthorized as exc:
+            if exc.code != "missing_api_key":
+                self.failed(client)
+            raise
+
+    async def _principal(self, authorization: str | None, client: str | None) -> Principal:
         raw = (authorization or "").strip()
         if raw.lower().startswith("bearer "):
             raw = raw[7:].strip()
@@ -104,6 +149,9 @@ class Authenticator:
             raise Unauthorized(
                 "API keys need a database (LASTEVENT_DATABASE_URL)", code="no_key_store"
             )
+        wait = self.throttle(client)
+        if wait and not self._known(raw):
+            raise TooManyFailures(wait)
         principal = await self.verify(raw)
         if principal is None:
             raise Unauthorized("the API key is not valid", code="invalid_api_key")
@@ -128,11 +176,34 @@ class Authenticator:
             keep_inputs=bool(row.keep_inputs),
         )
 
+    def _fresh(self, key_id: str) -> _Answer | None:
+        """The cache's answer for the key, if it is younger than ``cache_s``."""
+        cached = self._cache.get(key_id)
+        if cached is None or time.monotonic() - cached.asked >= self.cache_s:
+            return None
+        return cached
+
+    def _known(self, raw: str) -> bool:
+        """The key is in the cache, fresh and whole (so checking it asks nobody)."""
+        parsed = parse_key(raw)
+        fresh = None if parsed is None else self._fresh(parsed[0])
+        if parsed is None or fresh is None or fresh.row is None:
+            return False
+        return hmac.compare_digest(fresh.row.secret_hash, hash_secret(parsed[1]))
+
+    async def live(self, key_id: str) -> bool:
+        """The key is known and unrevoked (stream tokens made from it stay valid)."""
+        row = await self._row(key_id)
+        return row is not None and row.revoked_at is None
+
     async def _row(self, key_id: str) -> ApiKeyRow | None:
+        if (fresh := self._fresh(key_id)) is not None:
+            return fresh.row
         now = time.monotonic()
         cached = self._cache.get(key_id)
-        if cached is not None and now - cached.asked < self.cache_s:
-            return cached.row
+        unknown = self._unknown.get(key_id)
+        if unknown is not None and now - unknown < self.cache_s:
+            return None
         if self._failing_since is not None:
             if now < self._next_probe:  # the store just failed: do not make everyone wait on it
                 return self._last_answer(key_id)
@@ -150,6 +221,8 @@ class Authenticator:
         cached = self._cache.get(key_id)
         if cached is not None:
             return cached.row
+        if key_id in self._unknown:
+            return None
         raise ServiceUnavailable(
             "the API key store is unavailable, and this key has not been verified before; retry",
             code="key_store_unavailable",
@@ -186,10 +259,10 @@ class Authenticator:
                 time.monotonic() - self._failing_since,
             )
             self._failing_since = None
-        self._cache.pop(key_id, None)  # to the end: the dict stays in order of asking
-        self._cache[key_id] = _Answer(asked, row)
-        while len(self._cache) > self.max_entries:
-            del self._cache[next(iter(self._cache))]
+        _remember(
+            self._cache, key_id, None if row is None else _Answer(asked, row), self.max_entries
+        )
+        _remember(self._unknown, key_id, asked if row is None else None, MAX_UNKNOWN)
         return row
 
     def _failed(self, exc: PostgresUnavailable) -> None:
@@ -216,3 +289,14 @@ class Authenticator:
         self._refreshes.discard(task)
         if not task.cancelled() and (exc := task.exception()) is not None:
             log.error("refreshing a cached API key failed", exc_info=exc)
+
+
+def _remember(cache: dict[str, T], key: str, value: T | None, most: int) -> None:
+    """Put (or, for None, drop) ``key`` at the end of ``cache``, which stays in order of
+    asking; the oldest go beyond ``most``."""
+    cache.pop(key, None)
+    if value is None:
+        return
+    cache[key] = value
+    while len(cache) > most:
+        del cache[next(iter(cache))]

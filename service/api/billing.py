@@ -128,7 +128,8 @@ _FORMULA = ("=", "+", "-", "@", "\t", "\r")  # a spreadsheet would run a cell st
 
 def csv_text(rows: list[dict[str, Any]], fields: tuple[str, ...] = SPEND_FIELDS) -> str:
     """``rows`` as CSV with a header; a text cell a spreadsheet would read as a formula
-    is quoted with a leading ``'`` (tenant and model names are text, never formulas)."""
+    is quoted with a leading ``'`` (tenant and model names are text, never formulas).
+    The console's spend export and ``lastevent billing export`` both write this."""
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=list(fields), lineterminator="\n")
     writer.writeheader()

@@ -89,6 +89,14 @@ class Catalog:
         info = self.local[base]
         return info if info.name == name else info.renamed(name)
 
+    def engine_of(self, name: str) -> str | None:
+        """The engine a worker declared for ``name`` (None: not said, an older worker)."""
+        return self.declared.get(name, _NONE).engine or None
+
+    def sees(self, name: str) -> bool:
+        """Whether the worker serving ``name`` declared it takes images."""
+        return self.declared.get(name, _NONE).images
+
     def lanes(self) -> tuple[str, ...]:
         """Every known name's lane, and the plain queue of earlier versions ('')."""
         names = {*self.local, *self.declared}

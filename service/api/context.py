@@ -10,6 +10,8 @@ from redis.asyncio import Redis
 from service.api.admission import Admission
 from service.api.auth import Authenticator
 from service.api.catalog import Catalog
+from service.api.rendering import Renderer
+from service.api.seats import Seats
 from service.api.tokens import StreamTokens
 from service.ledger.audit import Audit
 from service.ledger.ledger import Ledger
@@ -60,6 +62,8 @@ class Context:
     drain: Drain
     idempotency: IdempotencyKeys
     audit: Audit | None = None  # the ledger's lookups (None: no Postgres configured)
+    renderer: Renderer = dataclasses.field(default_factory=Renderer)  # templates, tokenizers
+    seats: Seats = dataclasses.field(default_factory=lambda: Seats(0, 0))  # readers' (seats.py)
     _tokens: StreamTokens | None = None
 
     def context_length(self, model: ModelInfo | None = None) -> int:

@@ -112,6 +112,38 @@ def check_engine(engine: str, params: SamplingParams) -> None:
         )
 
 
+TEXT_ENGINE = "upstream-text"  # an upstream in text mode: sent the conversation, not ids
+
+
+def conversation(
+    engine: str, body: ChatCompletionRequest | CompletionRequest, output: Output
+) -> bytes:
+    """What a text-mode upstream is sent instead of the prompt's ids (b"": another
+    engine): the messages, or the prompt's text. Tools are refused there: such an
+    upstream would parse calls its own way, and the log's are parsed by ours."""
+    if engine != TEXT_ENGINE:
+        return b""
+    if output.tools is not None:
+        raise InvalidRequest(
+            f"'tools' are not supported by the {engine} engine",
+            param="tools",
+            code="unsupported_parameter",
+        )
+    if isinstance(body, ChatCompletionRequest):
+        return msgspec.json.encode({"messages": body.messages})
+    prompt = body.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise InvalidRequest(
+            f"'prompt' must be text for the {engine} engine (token ids are ids of "
+            "lastevent's tokenizer, not the upstream's)",
+            param="prompt",
+            code="unsupported_parameter",
+        )
+    return msgspec.json.encode({"prompt": prompt})
+
+
 def chat_prompt(model: ModelInfo, body: ChatCompletionRequest) -> str:
     """The conversation through the model's chat template, with the tools the request
     offers (``tool_choice`` "none": not offered)."""

@@ -13,6 +13,7 @@ configured engine can honour. Routes call this and ``submit.py``; nothing here w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import re
@@ -21,6 +22,7 @@ from typing import Any
 import msgspec
 from litestar import Request
 
+from service.api import images, sizes
 from service.api.auth import Principal
 from service.api.context import Context
 from service.api.contract import (
@@ -32,7 +34,9 @@ from service.api.contract import (
     check_refused,
     check_stop,
     completion_output,
+    conversation,
 )
+from service.api.rendering import weight
 from service.api.response_input import chat_body, check, input_items, stored
 from service.api.response_log import earlier_items
 from service.api.schemas import (
@@ -177,6 +181,8 @@ class Submission:
     input: bytes | None = None  # the request body as JSON, when it is kept (``kept_input``)
     metadata: dict[str, str] | None = None
     listed: bool = False  # a stored chat completion (``store: true``)
+    conversation: bytes = b""  # for a text-mode upstream (``Job.conversation``)
+    images: tuple[bytes, ...] = ()  # the prompt's images, in order (``Job.images``)
 
 
 def check_model(ctx: Context, name: str | None, principal: Principal) -> ModelInfo:
@@ -201,13 +207,15 @@ def _checked(
     return model
 
 
-def chat(ctx: Context, body: ChatCompletionRequest, principal: Principal) -> Submission:
+async def chat(ctx: Context, body: ChatCompletionRequest, principal: Principal) -> Submission:
     """``POST /v1/chat/completions``."""
     model = _checked(ctx, body, principal)
     if not body.messages:
         raise InvalidRequest("'messages' must not be empty", param="messages")
-    sub = _chat(ctx, model, body, Kind.CHAT, body.max_completion_tokens or body.max_tokens)
-    return kept_input(ctx, body, principal, sub)
+    sizes.check_chat(body)
+    pictures = await images.resolve(ctx, images.in_messages(body.messages), model.name)
+    sub = await _chat(ctx, model, body, Kind.CHAT, body.max_completion_tokens or body.max_tokens)
+    return kept_input(ctx, body, principal, dataclasses.replace(sub, images=pictures))
 
 
 def kept_input(
@@ -229,7 +237,7 @@ def kept_input(
     )
 
 
-def completion(ctx: Context, body: CompletionRequest, principal: Principal) -> Submission:
+async def completion(ctx: Context, body: CompletionRequest, principal: Principal) -> Submission:
     """``POST /v1/completions``: a prompt as text, a list with one text, or token ids."""
     model = _checked(ctx, body, principal)
     prompt = body.prompt
@@ -241,7 +249,7 @@ def completion(ctx: Context, body: CompletionRequest, principal: Principal) -> S
             )
         prompt = prompt[0]
     if isinstance(prompt, str):
-        prompt_ids = model.encode(prompt)
+        prompt_ids = await ctx.renderer.run(len(prompt), functools.partial(model.encode, prompt))
     else:
         vocab = model.tokenizer.get_vocab_size()
         bad = [t for t in prompt if not 0 <= int(t) < vocab]
@@ -262,15 +270,20 @@ async def response(ctx: Context, body: ResponsesRequest, principal: Principal) -
     ``previous_response_id``), run detached in ``background`` mode (it runs to its end
     with no reader), not archived for ``store: false``."""
     check(body)
+    sizes.check_response(body)
     items = input_items(body)
+    own_from = 0
     if body.previous_response_id is not None:
-        items = await earlier_items(ctx, principal, body.previous_response_id) + items
+        earlier = await earlier_items(ctx, principal, body.previous_response_id)
+        items, own_from = earlier + items, len(earlier)
+        sizes.check_chain(items, ctx.settings.max_body_bytes)
     try:
         chat_request = msgspec.convert(chat_body(body, items), ChatCompletionRequest)
     except msgspec.ValidationError as exc:
         raise InvalidRequest(f"invalid input: {exc}", param="input") from None
     model = check_model(ctx, chat_request.model, principal)
-    sub = _chat(
+    pictures = await images.resolve(ctx, images.in_items(items, own_from), model.name)
+    sub = await _chat(
         ctx,
         model,
         chat_request,
@@ -285,10 +298,11 @@ async def response(ctx: Context, body: ResponsesRequest, principal: Principal) -
         detached=body.background,
         store=body.store is not False,
         metadata=body.metadata,
+        images=pictures,
     )
 
 
-def _chat(
+async def _chat(
     ctx: Context,
     model: ModelInfo,
     body: ChatCompletionRequest,
@@ -302,16 +316,22 @@ def _chat(
     resolved and its conversation rendered; ``max_param`` / ``prompt_param``: the
     client's names of the two, in the 400s."""
     output = chat_output(body, model, ctx.settings.tool_parser)
-    try:
-        text = chat_prompt(model, body)
-    except Exception as exc:  # noqa: BLE001 - the template rejects the conversation
-        raise InvalidRequest(f"invalid {prompt_param}: {exc}", param=prompt_param) from None
+    sizes.check_grammar(output.structured, body, responses=prompt_param == "input")
+
+    def render() -> list[int]:
+        try:
+            text = chat_prompt(model, body)
+        except Exception as exc:  # noqa: BLE001 - the template rejects the conversation
+            raise InvalidRequest(f"invalid {prompt_param}: {exc}", param=prompt_param) from None
+        return model.encode(text)
+
+    prompt_ids = await ctx.renderer.run(weight(body.messages), render)
     return _submission(
         ctx,
         model,
         body,
         kind,
-        model.encode(text),
+        prompt_ids,
         max_tokens,
         output,
         max_param=max_param,
@@ -360,7 +380,8 @@ def _submission(
         logprobs=output.logprobs,
         structured=output.structured,
     )
-    check_engine(settings.engine, params)
+    engine = ctx.catalog.engine_of(model.name) or settings.engine
+    check_engine(engine, params)
     return Submission(
         kind=kind,
         model=model.name,
@@ -373,4 +394,5 @@ def _submission(
         n=body.n or 1,
         tools=output.tools,
         user=body.user,
+        conversation=conversation(engine, body, output),
     )

@@ -33,6 +33,10 @@ RETURNS = Counter(
     "lastevent_returns_total",
     "Readers that came back to a parked request (it goes on: queued again for a worker)",
 )
+RENDERING = Gauge(
+    "lastevent_prompts_rendering",
+    "Prompts being templated or tokenized off the event loop, or waiting for a thread to",
+)
 EVENT_LOOP_LAG = Histogram(
     "lastevent_event_loop_lag_seconds",
     "How late the event loop woke a sleep (every stream of the process waits as long)",

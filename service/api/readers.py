@@ -12,15 +12,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
 import msgspec
 from litestar import Request
 
+from service.api.admission import RateLimited
 from service.api.context import Context
 from service.api.metrics import READERS, RETURNS
 from service.api.response_input import kept
+from service.api.seats import Seat, SeatsFull
 from service.store.keys import principal as who
 from service.store.mailbox import IDLE, Batch, Interrupted, LogLost
 from service.store.pool import STORE_ERRORS
@@ -29,6 +32,7 @@ from service.store.tail import Subscription
 from service.stream import endings, sse
 from service.stream.events import Created, End, Error, Event, Progress
 from service.stream.ids import Cursor, EventId
+from service.stream.lifecycle import State
 from service.stream.render import (
     ChunkRenderer,
     ResponseAggregate,
@@ -57,15 +61,18 @@ class _Chunks:
 
     coalesces = True
 
-    def __init__(self, rid: str, created: Created, cursor: Cursor | None) -> None:
+    def __init__(
+        self, rid: str, created: Created, cursor: Cursor | None, framing: sse.Framing
+    ) -> None:
         self.request_id = rid
         self._renderer = ChunkRenderer(rid, created)
         self._cursor = cursor
+        self.framing = framing
 
     def frames(self, batch: Batch) -> tuple[bytes, bool]:
         out: list[bytes] = []
         for eid, event in batch:
-            out.extend(sse_event_frames(self._renderer, eid, event, self._cursor))
+            out.extend(sse_event_frames(self._renderer, eid, event, self._cursor, self.framing))
             if isinstance(event, End):
                 return b"".join(out), True
         return b"".join(out), False
@@ -81,10 +88,11 @@ class _ResponseEvents:
 
     coalesces = False
 
-    def __init__(self, rid: str, created: Created, after: int | None) -> None:
+    def __init__(self, rid: str, created: Created, after: int | None, framing: sse.Framing) -> None:
         self.request_id = rid
         self._renderer = response_renderer(rid, created)
         self._after = after
+        self.framing = framing
 
     def frames(self, batch: Batch) -> tuple[bytes, bool]:
         out: list[Frame] = []
@@ -92,8 +100,8 @@ class _ResponseEvents:
             fresh = self._renderer.feed(event)
             out += [f for f in fresh if self._after is None or f.sequence_number > self._after]
             if isinstance(event, End):
-                return response_sse(out), True
-        return response_sse(out), False
+                return response_sse(out, self.framing), True
+        return response_sse(out, self.framing), False
 
     def lost(self) -> bytes:  # the response fails in band
         return self.frames([(EventId(0, 0), e) for e in endings.lost_in_band()])[0]
@@ -111,14 +119,17 @@ async def _stream(
     rid = render.request_id
     progress = Progress()
     try:
-        yield sse.retry_line(hint)  # how soon to come back
+        framing = render.framing
+        if opening := framing.opening(hint):
+            yield opening  # how soon to come back
         while True:
             batch = await sub.queue.get()  # no timer per wait: the tailer's ticker sends IDLE
             if batch is IDLE:
-                yield sse.KEEPALIVE
+                yield framing.keepalive()
                 continue
             if isinstance(batch, Interrupted):  # shutting down: reconnect elsewhere
-                yield sse.retry(hint)
+                if last := framing.reconnect(hint):
+                    yield last
                 return
             if isinstance(batch, LogLost):  # an error in band, never pings for ever
                 yield render.lost()
@@ -153,10 +164,11 @@ async def sse_frames(
     cursor: Cursor | None = None,
     *,
     lease: Lease | None = None,
+    framing: sse.Framing = sse.RESUMABLE,
 ) -> AsyncIterator[bytes]:
     """The request's log as SSE chunks, from ``cursor`` on, until its terminal event
     (``lease``: the reader's, taken with its POST)."""
-    render = _Chunks(rid, created, cursor)
+    render = _Chunks(rid, created, cursor, framing)
     async for out in _follow(ctx, created, _before(cursor), render, lease=lease):
         yield out
 
@@ -169,11 +181,12 @@ async def response_frames(
     *,
     lease: Lease | None = None,
     logged: Batch | None = None,
+    framing: sse.Framing = sse.RESUMABLE,
 ) -> AsyncIterator[bytes]:
     """The response's events after sequence number ``after``, until its end. Its log is
     read from the first entry (the renderer counts from there); ``logged``: the log as the
     caller just read it, so that the tail goes on from there instead of reading it again."""
-    render = _ResponseEvents(rid, created, after)
+    render = _ResponseEvents(rid, created, after, framing)
     async for out in _follow(ctx, created, None, render, lease=lease, logged=logged):
         yield out
 
@@ -187,9 +200,40 @@ def _sound(progress: Progress, batch: Batch) -> int:
     return len(batch)
 
 
+def seated(
+    ctx: Context, rid: str, created: Created, frames: AsyncIterator[bytes]
+) -> AsyncIterator[bytes]:
+    """``frames`` holding one of the process's reader seats of the request and its key
+    (``seats.py``); 429 now, before the stream starts, when either is full."""
+    try:
+        seat = ctx.seats.take(rid, who(created.tenant, created.api_key_id))
+    except SeatsFull as exc:
+        raise RateLimited(f"{exc}; retry", retry_after_s=1, code="too_many_readers") from None
+    held = _held(frames, seat)
+    weakref.finalize(held, seat.release)  # a stream never started gives it back too
+    return held
+
+
+async def _held(frames: AsyncIterator[bytes], seat: Seat) -> AsyncIterator[bytes]:
+    try:
+        async for out in frames:
+            yield out
+    finally:
+        seat.release()
+
+
+async def admit_return(ctx: Context, rid: str, created: Created) -> None:
+    """A reader about to come back to a parked request (which its lease makes go on) is
+    admitted as a new request is, against its key's limit in flight: 429 otherwise, the
+    request staying parked. (Only with that limit set: one more read per reconnect.)"""
+    if ctx.settings.max_concurrent_per_key and await ctx.log.state(rid) == State.PARKED:
+        await ctx.admission.returning(who(created.tenant, created.api_key_id), rid)
+
+
 async def reader_lease(ctx: Context, rid: str, created: Created) -> Lease:
     """A (re)connecting reader's lease. One that comes back to a parked request makes it go
-    on (``lease.lua`` queues it again); it is in flight again for its key's limit."""
+    on (``lease.lua`` queues it again); it is in flight again for its key's limit (taken
+    by ``admit_return`` before the stream began; held here for one that raced it)."""
     lease = await ctx.presence.acquire(rid)
     if lease.unparked:
         RETURNS.inc()
@@ -206,6 +250,7 @@ async def _follow(
     *,
     lease: Lease | None = None,
     logged: Batch | None = None,
+    framing: sse.Framing = sse.RESUMABLE,
 ) -> AsyncIterator[bytes]:
     """Follow the log after ``start``, holding a presence lease while connected."""
     rid = render.request_id
@@ -302,30 +347,16 @@ async def _until_end(ctx: Context, rid: str, lease: Lease, feed: Callable[[Event
         await lease.release()
 
 
-async def cold_frames(
-    rid: str, entries: list[tuple[EventId, Event]], cursor: Cursor | None, reconnect_hint_ms: int
-) -> AsyncIterator[bytes]:
-    """An archived log as SSE: the same ids and bytes the hot log gave."""
-    created = entries[0][1]
-    assert isinstance(created, Created)
-    renderer = ChunkRenderer(rid, created)
-    out: list[bytes] = [sse.retry_line(reconnect_hint_ms)]
-    for eid, event in entries:
-        out.extend(sse_event_frames(renderer, eid, event, cursor))
-    if out:
-        yield b"".join(out)
-
-
 def response_renderer(rid: str, created: Created) -> ResponsesRenderer:
     """The Responses renderer of a request made by POST /v1/responses."""
     params, _ = kept(created.response)
     return ResponsesRenderer(rid, created, params)
 
 
-def response_sse(frames: list[Frame]) -> bytes:
+def response_sse(frames: list[Frame], framing: sse.Framing = sse.RESUMABLE) -> bytes:
     """Responses events as SSE: ``event:`` its type, ``id:`` its sequence number (so a
-    ``Last-Event-ID`` reconnect is a ``starting_after``)."""
-    return b"".join(sse.frame(f.json(), str(f.sequence_number), f.type) for f in frames)
+    ``Last-Event-ID`` reconnect is a ``starting_after``) where the framing has ids."""
+    return b"".join(framing.event(f.json(), f.sequence_number, f.type) for f in frames)
 
 
 async def response_collect(

@@ -18,14 +18,19 @@ import msgspec
 
 from service.api.schemas import NamedTool, ResponsesRequest
 from service.errors import InvalidRequest
+from service.stream import limits
 
+SUMMARY_PREFIX = "Summary of the earlier conversation:\n"  # a compaction item as input
+PHASES = ("commentary", "final_answer")  # an assistant message's ``phase`` (Open Responses)
 # the parameters every response object echoes (in this order; the renderer fills defaults)
 ECHOED = (
     "background",
+    "frequency_penalty",
     "instructions",
     "max_output_tokens",
     "metadata",
     "parallel_tool_calls",
+    "presence_penalty",
     "previous_response_id",
     "store",
     "temperature",
@@ -81,17 +86,23 @@ def listed(rid: str, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if isinstance(content, str):
                 kind = "output_text" if item["role"] == "assistant" else "input_text"
                 content = [{"type": kind, "text": content}]
-            out.append(
-                {
-                    "id": f"msg_{digest}",
-                    "type": "message",
-                    "role": item["role"],
-                    "status": "completed",
-                    "content": content,
-                }
-            )
+            # output text as the spec's OutputTextContent shows it: with its annotations
+            content = [
+                {"annotations": [], **c} if c.get("type") == "output_text" else c for c in content
+            ]
+            message = {
+                "id": f"msg_{digest}",
+                "type": "message",
+                "role": item["role"],
+                "status": "completed",
+                "content": content,
+            }
+            if "phase" in item:
+                message["phase"] = item["phase"]
+            out.append(message)
         else:
-            prefix = "fc" if item["type"] == "function_call" else "fco"
+            prefixes = {"function_call": "fc", "compaction": "cmp"}
+            prefix = prefixes.get(item["type"], "fco")
             out.append({"id": f"{prefix}_{digest}", "status": "completed", **item})
     return out
 
@@ -109,6 +120,19 @@ def check(body: ResponsesRequest) -> None:
         raise InvalidRequest("'metadata' has more than 16 keys", param="metadata")
 
 
+# sampling fields a Responses request passes on to its chat request as they are
+SAMPLING = (
+    "presence_penalty",
+    "frequency_penalty",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "ignore_eos",
+)
+
+
 def chat_body(body: ResponsesRequest, items: list[dict[str, Any]]) -> dict[str, Any]:
     """The chat-completions request (as JSON-able data) that asks the same of the model;
     ``items``: the whole input (an earlier response's, then this one's)."""
@@ -117,7 +141,7 @@ def chat_body(body: ResponsesRequest, items: list[dict[str, Any]]) -> dict[str, 
         messages.append({"role": "system", "content": body.instructions})
     messages += _messages(items)
     out: dict[str, Any] = {"model": body.model, "messages": messages}
-    for name in ("temperature", "top_p", "parallel_tool_calls", "user"):
+    for name in ("temperature", "top_p", "parallel_tool_calls", "user", *SAMPLING):
         value = getattr(body, name)
         if value is not None:
             out[name] = value
@@ -167,6 +191,12 @@ def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 last["tool_calls"].append(tool_call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [tool_call]})
+        elif kind == "compaction":  # a summary (compaction.py): a user turn that says so
+            done = _fields(item, where, {"type", "encrypted_content", "id"}, {"encrypted_content"})
+            summary = done["encrypted_content"]
+            if not isinstance(summary, str):
+                raise InvalidRequest(f"'{where}.encrypted_content' must be a string", param=where)
+            out.append({"role": "user", "content": SUMMARY_PREFIX + summary})
         elif kind == "function_call_output":
             done = _fields(item, where, {"type", "call_id", "output", "id", "status"})
             out.append({"role": "tool", "tool_call_id": done["call_id"], "content": done["output"]})
@@ -180,26 +210,59 @@ def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
-    msg = _fields(item, where, {"type", "role", "content", "id", "status"}, {"role", "content"})
+    allowed = {"type", "role", "content", "id", "status", "phase"}
+    msg = _fields(item, where, allowed, {"role", "content"})
     role = msg["role"]
     if role not in ("user", "system", "developer", "assistant"):
         raise InvalidRequest(f"'{role}' is not a message role", param=f"{where}.role")
+    _check_phase(msg, where)
     content = msg["content"]
     if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            ptype = part.get("type") if isinstance(part, dict) else None
-            if ptype not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
-                raise InvalidRequest(
-                    f"content part type '{ptype}' is not supported by this server",
-                    param=f"{where}.content.{j}.type",
-                    code="unsupported_parameter",
-                )
-            texts.append(part["text"])
-        content = "".join(texts)
+        parts = [_part(part, f"{where}.content.{j}") for j, part in enumerate(content)]
+        images = any(p["type"] == "image_url" for p in parts)
+        content = parts if images else "".join(p["text"] for p in parts)
     elif not isinstance(content, str):
         raise InvalidRequest("'content' must be a string or a list of parts", param=where)
     return {"role": role, "content": content}
+
+
+def _part(part: Any, where: str) -> dict[str, Any]:
+    """A content part as chat's: text, or an ``input_image`` as an ``image_url`` part
+    (a URL; ``images.py`` checks it, and that the model sees)."""
+    ptype = part.get("type") if isinstance(part, dict) else None
+    if ptype in ("input_text", "output_text") and isinstance(part.get("text"), str):
+        return {"type": "text", "text": part["text"]}
+    if ptype == "input_image":
+        image = _fields(part, where, {"type", "image_url", "detail", "file_id"}, {"type"})
+        if image.get("file_id") is not None or not isinstance(image.get("image_url"), str):
+            raise InvalidRequest(
+                f"'{where}' needs 'image_url' (a data URL, or an http(s) URL); "
+                "file ids are not supported by this server",
+                param=f"{where}.image_url",
+            )
+        detail = image.get("detail")
+        url = {"url": image["image_url"], **({} if detail is None else {"detail": detail})}
+        return {"type": "image_url", "image_url": url}
+    raise InvalidRequest(
+        f"content part type '{ptype}' is not supported by this server",
+        param=f"{where}.type",
+        code="unsupported_parameter",
+    )
+
+
+def _check_phase(msg: dict[str, Any], where: str) -> None:
+    """``phase`` labels an assistant message (commentary or the final answer); it stays on
+    the input item (``input_items``) and, a label, is not part of the prompt."""
+    if "phase" not in msg:
+        return
+    if msg["role"] != "assistant":
+        raise InvalidRequest(
+            "'phase' labels assistant messages only", param=f"{where}.phase", code="invalid_value"
+        )
+    if msg["phase"] not in PHASES:
+        raise InvalidRequest(
+            f"'{where}.phase' must be one of {PHASES}", param=f"{where}.phase", code="invalid_value"
+        )
 
 
 def _fields(
@@ -215,4 +278,27 @@ def _fields(
     missing = sorted(needed - set(item))
     if missing:
         raise InvalidRequest(f"'{where}' needs '{missing[0]}'", param=f"{where}.{missing[0]}")
+    _check_bounded(item, where)
     return item
+
+
+def _check_bounded(item: dict[str, Any], where: str) -> None:
+    """The fields of an item that are stored and templated as they are: OpenAI's shapes
+    (``service/stream/limits.py``), a 400 naming the field otherwise."""
+    checks = (
+        ("id", limits.item_id_ok, f"1 to 128 of A-Z, a-z, 0-9, '_' and '-' ({limits.ITEM_ID})"),
+        ("status", lambda v: v in limits.ITEM_STATUSES, f"one of {limits.ITEM_STATUSES}"),
+        (
+            "call_id",
+            limits.call_id_ok,
+            f"1 to {limits.MAX_CALL_ID_CHARS} printable ASCII characters without spaces",
+        ),
+        ("name", limits.function_name_ok, f"a function name ({limits.FUNCTION_NAME})"),
+        ("arguments", lambda v: isinstance(v, str), "a string (JSON text)"),
+        ("output", lambda v: isinstance(v, str), "a string"),
+    )
+    for field, ok, shape in checks:
+        if field in item and not ok(item[field]):
+            raise InvalidRequest(
+                f"'{where}.{field}' must be {shape}", param=f"{where}.{field}", code="invalid_value"
+            )

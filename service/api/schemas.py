@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from service.stream.limits import CALL_ID, FUNCTION_NAME, MAX_TOOL_CALLS, NAME
 from service.stream.params import MAX_LOGPROBS, RequestSampling
 
 MAX_CHOICES = 8  # n: choices of one request
@@ -58,18 +59,37 @@ class StreamOptions(_Strict, kw_only=True):
     detached: bool = False
 
 
-class ContentPart(_Strict, kw_only=True):
-    type: Literal["text"]  # images, audio and files: no model here reads them
+class TextPart(_Strict, kw_only=True, tag_field="type", tag="text"):
     text: str
 
 
+class ImageUrl(_Strict, kw_only=True):
+    url: Annotated[str, Meta(min_length=1)]  # a data: URL, or http(s) (``stream/images.py``)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Strict, kw_only=True, tag_field="type", tag="image_url"):
+    """An image, for a model whose worker declares it sees (a 400 naming the model
+    otherwise: ``images.py``); audio and files: no model here reads them."""
+
+    image_url: ImageUrl
+
+
+ContentPart = TextPart | ImagePart
+
+
+# a name or id that is templated and stored as it is: OpenAI's shapes (stream/limits.py)
+FunctionName = Annotated[str, Meta(pattern=FUNCTION_NAME)]
+CallId = Annotated[str, Meta(pattern=CALL_ID)]
+
+
 class FunctionCall(_Strict, kw_only=True):
-    name: str
+    name: FunctionName
     arguments: str  # JSON text, as the model wrote it
 
 
 class ToolCall(_Strict, kw_only=True):
-    id: str
+    id: CallId
     type: Literal["function"] = "function"
     function: FunctionCall
 
@@ -77,13 +97,14 @@ class ToolCall(_Strict, kw_only=True):
 class ChatMessage(_Strict, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
-    tool_call_id: str | None = None  # a tool's answer to one of them
+    name: Annotated[str, Meta(pattern=NAME)] | None = None
+    # an assistant's earlier calls
+    tool_calls: Annotated[list[ToolCall], Meta(max_length=MAX_TOOL_CALLS)] | None = None
+    tool_call_id: CallId | None = None  # a tool's answer to one of them
 
 
 class FunctionDef(_Strict, kw_only=True):
-    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema
     strict: bool | None = None
@@ -95,7 +116,7 @@ class Tool(_Strict, kw_only=True):
 
 
 class NamedFunction(_Strict, kw_only=True):
-    name: str
+    name: FunctionName
 
 
 class NamedToolChoice(_Strict, kw_only=True):
@@ -104,7 +125,7 @@ class NamedToolChoice(_Strict, kw_only=True):
 
 
 class JsonSchemaFormat(_Strict, kw_only=True):
-    name: str
+    name: Annotated[str, Meta(pattern=NAME)]
     description: str | None = None
     schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
     strict: bool | None = None
@@ -169,12 +190,12 @@ class FunctionTool(FunctionDef, kw_only=True):
 
 class NamedTool(_Strict, kw_only=True):
     type: Literal["function"]
-    name: str
+    name: FunctionName
 
 
 class TextFormat(_Strict, kw_only=True):
     type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
+    name: Annotated[str, Meta(pattern=NAME)] | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
     strict: bool | None = None
@@ -191,6 +212,16 @@ class ResponsesRequest(_Strict, kw_only=True):
     max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+    # vLLM's extensions of the Responses request (its own server takes them too; `vllm
+    # bench serve` sends ignore_eos): passed on as a chat request's, never echoed
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
+    seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
     parallel_tool_calls: bool | None = None
@@ -229,8 +260,15 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     call's arguments as an object (templates write them with ``tojson``)."""
     out: list[dict[str, Any]] = []
     for m in messages:
-        if isinstance(m.content, list):
-            content = "".join(p.text for p in m.content)
+        content: str | list[dict[str, str]]
+        if isinstance(m.content, list) and any(isinstance(p, ImagePart) for p in m.content):
+            # Hugging Face's parts: a template puts its image placeholder for each image
+            content = [
+                {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+                for p in m.content
+            ]
+        elif isinstance(m.content, list):
+            content = "".join(p.text for p in m.content if isinstance(p, TextPart))
         else:
             content = m.content or ""
         d: dict[str, Any] = {"role": m.role, "content": content}

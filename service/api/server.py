@@ -1,7 +1,8 @@
 """``lastevent api``: uvicorn, configured for long-lived streams.
 
 ``run`` serves the app: graceful shutdown bounded by ``drain_s`` (our SIGTERM hook
-tells open streams to reconnect first), a connection cap just above the stream cap,
+tells open streams to reconnect first), the gate (``gate.py``: Host names, a request cap
+that never refuses a probe), uvicorn's connection cap far above it as a last guard,
 a header-flood cap, the send timeout (``asgi.py``) and the slowloris guard below.
 
 uvicorn's HTTP/1.1 protocols have no timeout for reading a request: a client that
@@ -28,6 +29,7 @@ from service.api import tokens
 from service.api.app import create_app
 from service.api.asgi import SendTimeoutMiddleware
 from service.api.context import Drain
+from service.api.gate import Gate, Hosts
 from service.settings import Settings
 
 
@@ -43,7 +45,11 @@ def run(settings: Settings) -> None:
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(
-        SendTimeoutMiddleware(create_app(settings, drain), settings.send_timeout_s),
+        Gate(
+            SendTimeoutMiddleware(create_app(settings, drain), settings.send_timeout_s),
+            Hosts.parse(settings.allowed_hosts),
+            max_in_flight=settings.max_streams + 100,  # then 503, but never to a probe
+        ),
         host=settings.host,
         port=settings.port,
         log_level="info",
@@ -51,9 +57,15 @@ def run(settings: Settings) -> None:
         timeout_graceful_shutdown=int(settings.drain_s),
         timeout_keep_alive=5,  # idle keep-alive connections
         server_header=False,  # fewer bytes before the ones that matter (CORS, see asgi.py)
-        limit_concurrency=settings.max_streams + 100,  # beyond it uvicorn answers 503 itself
+        # uvicorn's own cap answers 503 to everything, probes too: only a last guard
+        limit_concurrency=2 * (settings.max_streams + 100),
+        # X-Forwarded-For names the client only from these (none: the peer is the client)
+        proxy_headers=bool(settings.trusted_proxies.strip()),
+        forwarded_allow_ips=settings.trusted_proxies.strip() or None,
         h11_max_incomplete_event_size=MAX_HEAD_BYTES,  # header flood guard (h11)
         http=protocol(settings),  # with the slowloris and header flood guards
+        ws="websockets-sansio",  # the Responses WebSocket mode (routes/responses_ws.py)
+        ws_max_size=settings.max_body_bytes,  # a message is a request body
         loop=settings.event_loop,  # uvloop (libuv) by default
     )
     # stream tokens travel in the query string: the access log shows it without them
@@ -150,6 +162,10 @@ def guarded_h11(read_timeout_s: float) -> type[H11Protocol]:
             self._disarm()
             super().connection_lost(exc)
 
+        def handle_websocket_upgrade(self, event: h11.Request) -> None:
+            self._disarm()  # the socket is the WebSocket protocol's from here
+            super().handle_websocket_upgrade(event)
+
     GuardedH11.read_timeout_s = read_timeout_s
     return GuardedH11
 
@@ -230,6 +246,10 @@ class GuardedHttpTools(_ReadDeadline, HttpToolsProtocol):
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self._response_complete()
+
+    def handle_websocket_upgrade(self) -> None:
+        self._disarm()  # the socket is the WebSocket protocol's from here
+        super().handle_websocket_upgrade()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

@@ -134,6 +134,8 @@ async def submit(
         n=sub.n,
         tools=sub.tools,
         model=sub.model,
+        conversation=sub.conversation,
+        images=sub.images,
     )
     # the log, the caller's reader lease and the job: one script, one round trip (each
     # await is a turn of a busy event loop: five of them made a burst of starts slow)

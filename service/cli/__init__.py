@@ -6,7 +6,7 @@
     model prepare            convert the packaged GGUF model (once)
     billing reconcile|export the ledger against the outbox; usage per tenant
     replay ID                an answer exactly as clients received it
-    keys create              an API key for a tenant
+    keys create|list|revoke  API keys: one for a tenant, every key, end one
     tenants set NAME         a tenant's settings (keep every input for audit)
     archive purge            delete archived logs
 
@@ -54,6 +54,10 @@ def _parser() -> argparse.ArgumentParser:
     kc.add_argument("--tenant", required=True)
     kc.add_argument("--role", choices=["user", "operator"], default="user")
     kc.add_argument("--models", help="comma-separated models it may use (default: all)")
+    kl = keys_sub.add_parser("list", help="every key: id, tenant, role, models, revoked")
+    kl.add_argument("--tenant", help="only this tenant's")
+    kr = keys_sub.add_parser("revoke", help="end a key and the stream tokens made from it")
+    kr.add_argument("key_id", help="the key's id (sk-le-<id>-...), or the whole key")
     tenants = sub.add_parser("tenants", help="tenants")
     tenants_sub = tenants.add_subparsers(dest="tenants_cmd", required=True)
     ts = tenants_sub.add_parser("set", help="a tenant's settings (created if new)")
@@ -103,7 +107,10 @@ def main(argv: list[str] | None = None) -> None:
     elif args.cmd == "replay":
         raise SystemExit(commands.replay_cmd(settings, args))
     elif args.cmd == "keys":
-        raise SystemExit(commands.keys_create(settings, args))
+        from service.cli import keys
+
+        run = {"list": keys.keys_list, "revoke": keys.keys_revoke}.get(args.keys_cmd)
+        raise SystemExit((run or commands.keys_create)(settings, args))
     elif args.cmd == "tenants":
         raise SystemExit(commands.tenants_set(settings, args))
     elif args.cmd == "archive":

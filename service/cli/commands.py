@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import datetime as dt
 import sys
 from collections.abc import Awaitable, Callable
@@ -106,9 +105,8 @@ def billing_cmd(settings: Settings, args: argparse.Namespace) -> int:
         print("\n".join(report.lines()))
         return 0 if report.clean else 1
     rows = _with_stores(settings, lambda s: billing.export_usage(s.ledger, since, until))
-    writer = csv.DictWriter(sys.stdout, fieldnames=list(billing.EXPORT_FIELDS))
-    writer.writeheader()
-    writer.writerows(rows)
+    # the API's CSV (a cell a spreadsheet would run as a formula is quoted)
+    sys.stdout.write(billing.csv_text(rows, billing.EXPORT_FIELDS))
     return 0
 
 

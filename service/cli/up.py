@@ -17,8 +17,10 @@ import time
 import urllib.error
 import urllib.request
 
-from service.api.auth import parse_key
+from service.api import gate
+from service.cli import local_keys
 from service.cli.embedded import embedded_servers
+from service.cli.local_keys import exposure
 from service.cli.model import is_prepared, prepare_model
 from service.ledger.api_keys import ApiKeys
 from service.ledger.ledger import make_engine
@@ -34,13 +36,17 @@ def up(settings: Settings) -> None:
     want_redis, want_pg = not settings.redis_url, not settings.database_url
     with embedded_servers(settings.data_dir, redis=want_redis, postgres=want_pg) as (r, p):
         settings = Settings.from_env(
-            redis_url=settings.redis_url or r, database_url=settings.database_url or p
+            redis_url=settings.redis_url or r,
+            database_url=settings.database_url or p,
+            # loopback names and IP addresses: no DNS rebinding page reaches it
+            allowed_hosts=settings.allowed_hosts or gate.LOCAL,
         )
         assert settings.database_url is not None
         upgrade(settings.database_url)
-        keys = settings.auth == "required"
-        dev_key = ensure_dev_key(settings) if keys else None
-        ops_key = ensure_dev_key(settings, operator=True) if keys else None
+        local: dict[str, str] = {}
+        if settings.auth == "required":
+            exposed = exposure(settings, external_servers=not (want_redis and want_pg))
+            local = asyncio.run(_local_keys(settings, exposed))
         if not is_prepared(settings.resolved_model_dir):
             print("preparing the model (once)...", flush=True)
             prepare_model(settings.resolved_model_dir)
@@ -49,35 +55,22 @@ def up(settings: Settings) -> None:
         children += [_spawn("worker", e) for e in _more_workers(settings, env)]
         if _wait_until_serving(settings, children):
             print(f"lastevent serving on http://{settings.host}:{settings.port}  (Ctrl-C stops)")
-            if dev_key:
-                print(f"development API key (tenant 'dev', local use only): {dev_key}")
-            if ops_key:
+            if "user" in local:
+                print(f"development API key (tenant 'dev', local use only): {local['user']}")
+            if "operator" in local:
                 print(
                     f"operators' console: http://{settings.host}:{settings.port}/console "
-                    f"(operator key, local use only: {ops_key})"
+                    f"(operator key, local use only: {local['operator']})"
                 )
         _supervise(children)
 
 
-def ensure_dev_key(settings: Settings, *, operator: bool = False) -> str:
-    """A fixed development key (tenant ``dev``), or operator key (tenant ``ops``), so the
-    quick start and the console work as printed."""
-    key = settings.dev_operator_key if operator else settings.dev_api_key
-    parsed = parse_key(key)
-    if parsed is None:
-        name = "LASTEVENT_DEV_OPERATOR_KEY" if operator else "LASTEVENT_DEV_API_KEY"
-        raise SystemExit(f"{name} must look like sk-le-<id>-<secret>")
-
-    async def create(key_id: str, secret: str) -> None:
-        engine = make_engine(settings.database_url or "")
-        try:
-            tenant, role = ("ops", "operator") if operator else ("dev", "user")
-            await ApiKeys(engine).create(tenant, role=role, key_id=key_id, secret=secret)
-        finally:
-            await engine.dispose()
-
-    asyncio.run(create(*parsed))
-    return key
+async def _local_keys(settings: Settings, exposed: str | None) -> dict[str, str]:
+    engine = make_engine(settings.database_url or "")
+    try:
+        return await local_keys.ensure(settings, ApiKeys(engine), exposed=exposed)
+    finally:
+        await engine.dispose()
 
 
 def _more_workers(settings: Settings, env: dict[str, str]) -> list[dict[str, str]]:

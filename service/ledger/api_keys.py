@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 
-from sqlalchemy import select
+from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -73,6 +73,27 @@ class ApiKeys:
         stmt = stmt.on_conflict_do_update(index_elements=["name"], set_={"keep_inputs": keep})
         async with self.engine.begin() as conn:
             await conn.execute(stmt)
+
+    async def list(self, tenant: str | None = None) -> list[ApiKeyRow]:
+        """Every key (of ``tenant``), oldest first, revoked ones included."""
+        query = select(ApiKeyRow).order_by(ApiKeyRow.created_at, ApiKeyRow.id)
+        if tenant is not None:
+            query = query.where(ApiKeyRow.tenant == tenant)
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(query)).all()
+        return [ApiKeyRow(**row._mapping) for row in rows]
+
+    async def revoke(self, key_id: str) -> bool:
+        """Revoke the key (its stream tokens with it); False if there is no such key
+        or it was revoked already. API processes see it within ``auth_cache_s``."""
+        query = (
+            update(ApiKeyRow)
+            .where(ApiKeyRow.id == key_id, ApiKeyRow.revoked_at.is_(None))
+            .values(revoked_at=func.now())
+        )
+        async with self.engine.begin() as conn:
+            result = await conn.execute(query)
+        return bool(result.rowcount)
 
     async def get(self, key_id: str) -> ApiKeyRow | None:
         """The key's row, ``None`` if there is none; ``PostgresUnavailable`` if Postgres

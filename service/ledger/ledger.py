@@ -36,6 +36,7 @@ def make_engine(
     *,
     connect_timeout_s: float = CONNECT_TIMEOUT_S,
     pool_timeout_s: float = POOL_TIMEOUT_S,
+    pool_size: int = 5,
 ) -> AsyncEngine:
     """The engine every process uses. A server that accepts connections and never
     answers (half-dead, or a black-holed network) costs a caller ``connect_timeout_s``,
@@ -45,8 +46,8 @@ def make_engine(
         connect_args["timeout"] = connect_timeout_s
     return create_async_engine(
         url,
-        pool_size=5,
-        max_overflow=5,
+        pool_size=pool_size,
+        max_overflow=pool_size,
         pool_pre_ping=True,
         pool_timeout=pool_timeout_s,
         connect_args=connect_args,

@@ -116,6 +116,12 @@ class LogReader:
             delivered=number(Meta.DELIVERED),
         )
 
+    async def state(self, request_id: str) -> str | None:
+        """The request's state as Redis holds it now (None: gone), uncommitted: for a
+        decision that the request's own scripts check again (admission)."""
+        raw = await self.redis.hget(self.keys.meta(request_id), Meta.STATE)
+        return None if raw is None else replies.text(raw)
+
     async def read(
         self, request_id: str, after: EventId | None = None, count: int | None = None
     ) -> list[tuple[EventId, ev.Event]]:

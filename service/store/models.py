@@ -19,6 +19,8 @@ class Declared(msgspec.Struct, frozen=True):
     parent: str | None = None  # the base model, for an adapter
     owned_by: str = "lastevent"
     created: int = 0  # unix s: when it was first declared
+    engine: str = ""  # the engine serving it (what it cannot honour: ``params.UNSUPPORTED``)
+    images: bool = False  # it takes images (a vision model under an engine that passes them)
 
 
 _enc = msgspec.json.Encoder()
@@ -46,7 +48,14 @@ class ModelRegistry:
         self.redis = redis
         self.keys = keys
 
-    async def declare(self, base: str, adapters: list[str], owned_by: str = "lastevent") -> None:
+    async def declare(
+        self,
+        base: str,
+        adapters: list[str],
+        owned_by: str = "lastevent",
+        engine: str = "",
+        images: bool = False,
+    ) -> None:
         """A worker's names: its base and its adapters (the first declaration of a name
         keeps its ``created``; a later one may move an adapter to another base)."""
         now = int(time.time())
@@ -59,8 +68,10 @@ class ModelRegistry:
         for name, parent in [(base, None), *((a, base) for a in adapters)]:
             old = known.get(name)
             created = old.created if old is not None else now
-            if old is None or old.parent != parent or old.owned_by != owned_by:
-                pipe.hset(self.keys.models, name, _enc.encode(Declared(parent, owned_by, created)))
+            said = (parent, owned_by, engine, images)
+            if old is None or (old.parent, old.owned_by, old.engine, old.images) != said:
+                declared = Declared(parent, owned_by, created, engine, images)
+                pipe.hset(self.keys.models, name, _enc.encode(declared))
         await pipe.execute()
 
     async def declared(self) -> dict[str, Declared]:

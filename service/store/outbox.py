@@ -95,8 +95,9 @@ class Outbox:
         """Summaries whose terminal event id falls in [since_ms, until_ms), all partitions."""
         # an entry is written in the same script as its terminal event: same ms or later
         pipe = self.redis.pipeline(transaction=False)
+        start = max(since_ms, 0)  # (a stream id has no sign: before 1970 is the start)
         for p in self.keys.all_partitions:
-            pipe.xrange(self.keys.outbox(p), min=f"{since_ms}-0", max="+")
+            pipe.xrange(self.keys.outbox(p), min=f"{start}-0", max="+")
         marks = self.committer.marks(self.keys.all_partitions)
         found: Any = await pipe.execute()
         await self.committer.confirm_all(marks)

@@ -38,6 +38,12 @@ class Job(msgspec.Struct, array_like=True, gc=False):
     n: int = 1  # choices, each its own engine request (choice i's seed: seed + i)
     tools: ToolFormat | None = None  # how tool calls are parsed out of the output
     model: str = ""  # the model the request asked for (a base model, or an adapter)
+    # for a model served by a text-mode upstream: the conversation as JSON, {"messages":
+    # [...]} or {"prompt": "..."}, which that upstream is sent instead of the prompt's ids
+    conversation: bytes = b""
+    # the prompt's images (a model whose worker declared it sees), in the order of their
+    # placeholders in the prompt: each one's bytes (PNG, JPEG, GIF or WebP), checked by the API
+    images: tuple[bytes, ...] = ()
 
 
 def wait_for_takeover(job: Job, wait_s: float, default_deadline_s: float) -> float:

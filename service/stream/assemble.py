@@ -97,6 +97,8 @@ class Assembler:
         self._unsent_logprobs: list[Logprob] = []
         self._ids: list[int] = []
         self._shown = 0  # characters of content released
+        self._texts = False  # fed text, not ids (``step_text``): deltas say their tokens
+        self._delta_n = 0  # ``n`` of the last delta
         self._done = False  # the tool calls asked for are complete
 
     @classmethod
@@ -185,6 +187,17 @@ class Assembler:
         content, pieces = self._parse(released, stopped)
         return StepResult(self._delta(content, pieces), stopped or self._done)
 
+    def step_text(self, text: str, tokens: int) -> StepResult:
+        """A step of an engine that streams text, not ids (a text-mode upstream): the text
+        goes straight to the holdback; ``tokens``: what the step counts for."""
+        self._texts = True
+        self.completion_tokens += tokens
+        if self.stopped:
+            return StepResult([], True)
+        released, stopped = self._holdback.feed(text) if text else ("", False)
+        content, pieces = self._parse(released, stopped)
+        return StepResult(self._delta(content, pieces), stopped or self._done)
+
     def flush(self) -> list[Event]:
         """The engine finished: release what was held back (the text can no longer
         become a stop string), unless a stop string ended the choice -- or completes now,
@@ -218,6 +231,8 @@ class Assembler:
         # text completions' logprobs count characters from the choice's start
         offset = self._shown if logprobs is not None else None
         self._shown += len(text)
+        tokens = self.completion_tokens - self._delta_n if self._texts else None
+        self._delta_n = self.completion_tokens
         return [
             Delta(
                 text=text,
@@ -227,5 +242,6 @@ class Assembler:
                 logprobs=logprobs,
                 offset=offset,
                 tools=list(pieces) or None,
+                tokens=tokens,
             )
         ]

@@ -158,8 +158,7 @@ def finished(
         shown.completion_tokens,
         tuple(tail),
         covered_tokens,
-        logged_tokens=shown.logged_tokens
-        + sum(len(e.token_ids) for e in tail if isinstance(e, Delta)),
+        logged_tokens=shown.logged_tokens + sum(e.consumed for e in tail if isinstance(e, Delta)),
     )
 
 

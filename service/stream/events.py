@@ -77,6 +77,13 @@ class Delta(_Event, tag="d"):
     # another continued
     by: str | None = None
     how: str | None = None
+    # the tokens it stands for, when it carries no ids (an engine that streams text)
+    tokens: int | None = None
+
+    @property
+    def consumed(self) -> int:
+        """The completion tokens since the previous delta of its choice."""
+        return len(self.token_ids) if self.tokens is None else self.tokens
 
 
 # how a worker came to run a request: its first run, after its worker was lost, handed
@@ -140,7 +147,7 @@ class Progress:
             self._n = dict.fromkeys(range(max(event.n, 1)), 0)
         elif isinstance(event, Delta):
             before = self._n.get(event.index)
-            if before is not None and event.n - len(event.token_ids) != before:
+            if before is not None and event.n - event.consumed != before:
                 return False
             self._n[event.index] = event.n
         return True

@@ -82,6 +82,20 @@ UNSUPPORTED: dict[str, frozenset[str]] = {
     "scripted": frozenset(),
     "cpu": frozenset(),
     "vllm": frozenset(),
+    "upstream": frozenset(),  # token mode: vLLM's server takes every field
+    # text mode: an OpenAI-compatible server's fields only, and no ids of our tokenizer
+    "upstream-text": frozenset(
+        {
+            "repetition_penalty",
+            "top_k",
+            "min_p",
+            "min_tokens",
+            "ignore_eos",
+            "logit_bias",
+            "stop_token_ids",
+            "logprobs",
+        }
+    ),
 }
 
 

@@ -32,7 +32,8 @@ def usage(end: End) -> dict[str, int]:
 
 
 def error_object(err: Error) -> dict[str, Any]:
-    return {"error": {"message": err.message, "type": "server_error", "code": err.code}}
+    error = {"message": err.message, "type": "server_error", "param": None, "code": err.code}
+    return {"error": error}
 
 
 class ChunkRenderer:
@@ -191,7 +192,13 @@ class ResponseAggregate:
             text = "".join(c.parts)
             logprobs: dict[str, Any] | None = None
             if chat:
-                message: dict[str, Any] = {"role": "assistant", "content": text}
+                # refusal: required and nullable (OpenAI's spec); annotations: none here
+                message: dict[str, Any] = {
+                    "role": "assistant",
+                    "content": text,
+                    "refusal": None,
+                    "annotations": [],
+                }
                 if c.calls:
                     message["content"] = text or None
                     message["tool_calls"] = [c.calls[k] for k in sorted(c.calls)]
@@ -216,7 +223,11 @@ class ResponseAggregate:
 
 
 def sse_event_frames(
-    renderer: ChunkRenderer, event_id: EventId, event: Event, cursor: Cursor | None
+    renderer: ChunkRenderer,
+    event_id: EventId,
+    event: Event,
+    cursor: Cursor | None,
+    framing: sse.Framing = sse.RESUMABLE,
 ) -> list[bytes]:
     """One log event as the SSE bytes a reader at ``cursor`` has not seen yet."""
     skip = frames_to_skip(cursor, event_id)
@@ -224,7 +235,7 @@ def sse_event_frames(
         return []
     payloads = renderer.render(event)
     ids = frame_ids(event_id, len(payloads))
-    return [sse.frame(p, str(i)) for p, i in zip(payloads, ids, strict=True)][skip:]
+    return [framing.chunk(p, str(i)) for p, i in zip(payloads, ids, strict=True)][skip:]
 
 
 def coalesce(batch: list[tuple[EventId, Event]]) -> list[tuple[EventId, Event]]:

@@ -45,17 +45,31 @@ _json = msgspec.json.Encoder()
 
 # the fields of the response object this module owns; params may not set them
 RESERVED = frozenset(
-    {"id", "object", "created_at", "status", "error", "incomplete_details", "output", "usage"}
+    {
+        "id",
+        "object",
+        "created_at",
+        "completed_at",
+        "status",
+        "error",
+        "incomplete_details",
+        "output",
+        "usage",
+    }
 )
 # the request's parameters as OpenAI echoes them when the request left them out
 DEFAULTS: dict[str, Any] = {
     "background": False,
+    "frequency_penalty": 0.0,
     "instructions": None,
     "max_output_tokens": None,
     "max_tool_calls": None,
     "parallel_tool_calls": True,
+    "presence_penalty": 0.0,
     "previous_response_id": None,
+    "prompt_cache_key": None,
     "reasoning": {"effort": None, "summary": None},
+    "safety_identifier": None,
     "service_tier": "auto",
     "store": True,
     "temperature": 1.0,
@@ -68,6 +82,8 @@ DEFAULTS: dict[str, Any] = {
     "user": None,
     "metadata": {},
 }
+# a function tool as the spec's ``FunctionTool`` shows it: every field, null when unset
+TOOL_FIELDS = ("type", "name", "description", "parameters", "strict")
 FAILED = Error(code="server_error", message="the request failed")  # an errored End alone
 
 
@@ -103,6 +119,13 @@ def ending(end: End) -> tuple[str, str]:
     raise ValueError(f"an End with the non-terminal state {end.state!r}")
 
 
+def echoed_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A request's tool as the response echoes it: the fields it left out as null."""
+    if tool.get("type") != "function":
+        return tool
+    return {**{k: tool.get(k) for k in TOOL_FIELDS}, **tool}
+
+
 class ResponsesRenderer:
     """Renders one request's log, fed in order from its ``Created``, as ``Frame``s.
 
@@ -121,6 +144,7 @@ class ResponsesRenderer:
         self.created = created
         self._params = {"model": created.model, **DEFAULTS, "user": created.user}
         self._params.update(params)
+        self._params["tools"] = [echoed_tool(t) for t in self._params["tools"]]
         self.background = bool(self._params["background"])
         self._seq = 0
         self._started = False  # the Created was fed
@@ -191,6 +215,8 @@ class ResponsesRenderer:
             "id": self.response_id,
             "object": "response",
             "created_at": self.created.created,
+            # the log keeps no time of its End: null (the spec's "if it was completed")
+            "completed_at": None,
             "status": self.status,
             "error": error,
             "incomplete_details": incomplete,

@@ -1,5 +1,12 @@
 """Server-sent events framing.
 
+Two framings (``Framing``): ``resumable`` (the default) carries each event's position as
+its ``id:`` line and opens with a ``retry:`` hint, what ``EventSource`` and the SSE
+clients of the OpenAI SDKs resume from; ``openai`` is byte for byte OpenAI's own framing
+(``data:`` lines only, plus ``event:`` on a Responses stream) for clients that parse it
+literally (``vllm bench serve``), the position carried inside each chunk's JSON instead
+(``event_id``; a Responses event has its ``sequence_number``).
+
 Every payload is JSON (or the ``[DONE]`` sentinel) whose encoder escapes CR,
 LF and NUL; we additionally escape U+2028, U+2029 and U+0085, which some line
 splitters (``str.splitlines``, older JS) treat as line ends. ``id:`` and
@@ -73,3 +80,50 @@ def retry_line(ms: int) -> bytes:
     """The same hint as the first line of a stream (the next event's blank line ends it;
     no blank line of its own, so no client sees an empty event)."""
     return b"retry: " + str(int(ms)).encode() + b"\n"
+
+
+def with_event_id(data: bytes, event_id: str) -> bytes:
+    """A chunk's JSON object with ``"event_id"`` as its first member (the bytes after it
+    unchanged); the ``[DONE]`` sentinel as it is."""
+    if not data.startswith(b"{") or data == b"{}":
+        return data
+    return b'{"event_id":"' + clean_field(event_id).replace('"', "").encode() + b'",' + data[1:]
+
+
+class Framing:
+    """How a stream frames its events (see the module's docstring)."""
+
+    def __init__(self, name: str, ids: bool) -> None:
+        self.name, self.ids = name, ids
+
+    def __repr__(self) -> str:
+        return f"Framing({self.name})"
+
+    def opening(self, hint_ms: int) -> bytes:
+        """What a stream starts with: the reconnect hint, where the framing has one."""
+        return retry_line(hint_ms) if self.ids else b""
+
+    def keepalive(self) -> bytes:
+        """A comment while nothing comes. Without ids it is a message of its own (a
+        literal parser splits at blank lines and skips what starts with ``:``; glued to the
+        next event it would skip that event too)."""
+        return KEEPALIVE if self.ids else b": ping\n\n"
+
+    def reconnect(self, hint_ms: int) -> bytes:
+        """The last bytes of a stream whose process drains (then it closes)."""
+        return retry(hint_ms) if self.ids else b""
+
+    def chunk(self, data: bytes, event_id: str) -> bytes:
+        """A chat or completion chunk at position ``event_id``."""
+        if self.ids:
+            return frame(data, event_id)
+        return frame(with_event_id(data, event_id))
+
+    def event(self, data: bytes, sequence_number: int, event: str) -> bytes:
+        """A Responses event (its JSON carries its ``sequence_number``)."""
+        return frame(data, str(sequence_number) if self.ids else None, event)
+
+
+RESUMABLE = Framing("resumable", ids=True)
+OPENAI = Framing("openai", ids=False)
+FRAMINGS = {f.name: f for f in (RESUMABLE, OPENAI)}

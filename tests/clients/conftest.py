@@ -251,7 +251,7 @@ def node() -> Any:
     relative to tests/clients; ``env`` is added to this process's environment."""
     exe = shutil.which("node")
     if exe is None:
-        pytest.fail("node is not installed (Node 18+ is needed for tests/clients)")
+        pytest.fail("node is not installed (Node 20+ is needed for tests/clients)")
     _node_modules()
 
     def run(

@@ -6,12 +6,17 @@ downloaded browser) against a real stack through the cutting proxy:
 - a page on another origin (CORS) following an answer with a plain ``EventSource`` and a
   stream token (``?token=``): the browser's own reconnects give the whole text, and the
   server's 204 at the end stops it (no reconnect loop).
+- the playground with a key saved, opened by a link that names another server
+  (``?baseUrl=``, a second HTTP server of the test: the "attacker", which answers CORS
+  preflights as an attacker would): the attacker never receives the key, and the key is
+  not in a new tab.
 
 ``LASTEVENT_SCREENSHOT=docs/playground.png`` saves the playground's picture there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import http.server
 import os
@@ -178,6 +183,114 @@ def test_static_files_are_the_repository_files(clients_stack: ClientStack) -> No
         assert js.content == (STATIC / "lastevent.js").read_bytes()
         page = c.get("/playground")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-        assert b'from "/static/lastevent.js"' in page.content
+        assert b'<script type="module" src="/static/playground.js">' in page.content
+        script = c.get("/static/playground.js")
+        assert script.content == (STATIC / "playground.js").read_bytes()
+        assert b'from "/static/lastevent.js"' in script.content
         for path in ("/static/nope.js", "/static/..%2Froutes%2Fplayground.py", "/static/%2e%2e"):
             assert c.get(path).status_code == 404, path
+
+
+@dataclasses.dataclass
+class Seen:
+    """One request the attacker's server received."""
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+
+class _Attacker(http.server.BaseHTTPRequestHandler):
+    """Records every request; answers preflights yes to anything (Authorization too, as an
+    attacker would), everything else 404."""
+
+    seen: list[Seen]
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _record(self) -> None:
+        length = int(self.headers.get("content-length") or 0)
+        body = self.rfile.read(length) if length else b""
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        self.seen.append(Seen(self.command, self.path, headers, body))
+
+    def _answer(self, status: int, extra: dict[str, str]) -> None:
+        self.send_response(status)
+        self.send_header("Access-Control-Allow-Origin", self.headers.get("origin") or "*")
+        for name, value in extra.items():
+            self.send_header(name, value)
+        body = (
+            b'{"error": {"message": "nothing here", "code": "not_found"}}' if status >= 400 else b""
+        )
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_OPTIONS(self) -> None:
+        self._record()
+        self._answer(
+            204,
+            {
+                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Access-Control-Allow-Headers": self.headers.get(
+                    "access-control-request-headers", "*"
+                ),
+            },
+        )
+
+    def do_GET(self) -> None:
+        self._record()
+        self._answer(404, {})
+
+    do_POST = do_GET
+
+
+@pytest.fixture
+def attacker() -> Iterator[tuple[str, list[Seen]]]:
+    seen: list[Seen] = []
+    handler = type("Attacker", (_Attacker,), {"seen": seen})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_playground_never_hands_the_key_to_another_origin(
+    node: Any, clients_stack: ClientStack, api_key: str, attacker: tuple[str, list[Seen]]
+) -> None:
+    """A key saved (typed in the tab; also left in localStorage by an older playground),
+    then ``/playground?baseUrl=<attacker>&model=`` in the same tab and Send: the page
+    ignores the address's server (says so) and answers from its own origin with the key.
+    Then the attacker typed into the "Server" field and Send: the request goes there, but
+    the key field emptied and no key goes with it. Then a new tab: no key anywhere."""
+    attacker_url, seen = attacker
+    question = "hello from the playground"
+    env = {
+        "PAGE_URL": f"{clients_stack.url}/playground",
+        "ATTACKER_URL": attacker_url,
+        "LASTEVENT_API_KEY": api_key,
+        "QUESTION": question,
+    }
+    out = browser(node, "attacker", env)
+    received = [(x.method, x.path, x.headers, x.body) for x in seen]  # to read on a failure
+    assert all("authorization" not in x.headers for x in seen), received
+    assert not any(api_key in repr((x.path, x.headers, x.body)) for x in seen), received
+    assert out["saved"]["key"] == api_key
+    linked = out["linked"]
+    assert linked["server"] != attacker_url and attacker_url in linked["notice"], linked
+    assert linked["answer"] == question and linked["error"] is None, linked  # own origin
+    assert out["typedBeforeSend"]["key"] == "", out["typedBeforeSend"]
+    assert "POST" in [x.method for x in seen], received  # the typed server was used
+    assert out["typed"]["error"], out["typed"]  # the attacker's 404
+    new_tab = out["newTab"]
+    assert new_tab["key"] == "", new_tab
+    stored = repr((new_tab["sessionStorage"], new_tab["localStorage"], new_tab["cookie"]))
+    assert api_key not in stored, new_tab
+    for step in ("saved", "linked", "typed", "newTab"):
+        assert out[step]["violations"] == [], (step, out[step])

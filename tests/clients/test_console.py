@@ -22,7 +22,6 @@ page and the spend chart there.
 
 from __future__ import annotations
 
-import asyncio
 import csv
 import dataclasses
 import io
@@ -38,13 +37,12 @@ from typing import Any
 import httpx
 import pytest
 from httpx_sse import EventSource, ServerSentEvent
-from sqlalchemy.ext.asyncio import create_async_engine
 
-from service.ledger.api_keys import ApiKeys
 from service.store.keys import Keys
 from tests.conftest import migrated_database
 from tests.e2e.conftest import Stack, make_stack
 from tests.e2e.helpers import LONG, content_of
+from tests.e2e.test_auth import make_key
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.clients, pytest.mark.timeout(300)]
@@ -111,17 +109,6 @@ class Scene:
     ids: dict[str, list[str]]  # tenant -> its request ids
     since: str
     until: str = ""
-
-
-def create_key(database_url: str, tenant: str, role: str = "user") -> str:
-    async def create() -> str:
-        engine = create_async_engine(database_url)
-        try:
-            return await ApiKeys(engine).create(tenant, role=role)
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(create())
 
 
 def auth(key: str) -> dict[str, str]:
@@ -241,8 +228,8 @@ def scene(
 def setting_up(
     st: Stack, db: str, workers: dict[str, subprocess.Popen[bytes]], since: str
 ) -> Scene:
-    keys = {t: create_key(db, t) for t in ("acme", "globex")}
-    operator = create_key(db, "ops", role="operator")
+    keys = {t: make_key(db, t) for t in ("acme", "globex")}
+    operator = make_key(db, "ops", role="operator")
     s = taken_over(st, workers, keys["acme"])
     hostile = answered(
         st,

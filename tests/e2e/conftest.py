@@ -60,9 +60,9 @@ class Stack:
         self.procs.append(proc)
         return proc
 
-    def start_api(self) -> str:
-        port = free_port()
-        proc = self._spawn("api", f"api-{port}", port=port)
+    def start_api(self, port: int | None = None, **overrides: object) -> str:
+        port = port or free_port()
+        proc = self._spawn("api", f"api-{port}", port=port, **overrides)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -128,6 +128,8 @@ def make_stack(
         "scripted_tokens_per_s": 200.0,
         "keepalive_s": 1.0,
         "auth": "off",  # API keys and tenants are tested in test_auth.py
+        # every test client is 127.0.0.1: failed keys are throttled in test_auth.py only
+        "auth_failures_per_minute": 0,
         # byte-for-byte comparisons between live streams and replays must not depend on
         # how loaded the machine is (coalescing is tested in tests/unit/test_coalesce.py)
         "coalesce_backlog": 1_000_000,

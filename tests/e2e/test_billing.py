@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import csv
+import io
 import os
 import re
 import socket
@@ -442,3 +444,27 @@ def test_reconcile_detects_deleted_and_tampered_rows(stack: Stack, billing_db: s
     assert export.returncode == 0
     assert export.stdout.splitlines()[0].startswith("tenant,model,requests")
     assert "default,SmolLM2-135M-Instruct" in export.stdout
+
+
+def test_cli_export_quotes_what_a_spreadsheet_would_run(stack: Stack, billing_db: str) -> None:
+    """A tenant or model name that starts like a formula is written as text (``'=...``)
+    by ``lastevent billing export`` as by the console's CSV: the CLI wrote it bare."""
+    time.sleep(1.1)  # a window that holds only this test's requests (whole seconds)
+    since = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(time.time()))
+    rids = [a["id"] for a in asyncio.run(_complete_many(stack.url, stack.model, 2))]
+    wait_rows(billing_db, rids)
+    names = [("=HYPERLINK(1)", "@SUM(A1)"), ("+1", "-2")]
+    for rid, (tenant, model) in zip(rids, names, strict=True):
+        sql(
+            billing_db,
+            "UPDATE requests SET tenant = :t, model = :m WHERE id = :id",
+            t=tenant,
+            m=model,
+            id=rid,
+        )
+    export = cli(stack, "billing", "export", "--since", since)
+    assert export.returncode == 0, export.stderr
+    table = list(csv.DictReader(io.StringIO(export.stdout)))
+    assert sorted((r["tenant"], r["model"]) for r in table) == sorted(
+        (f"'{t}", f"'{m}") for t, m in names
+    )

@@ -57,6 +57,17 @@ def read_until_drained(
     return rid, seen, retry, sent_at
 
 
+def exited(proc: subprocess.Popen[bytes], stack: Stack, log_name: str) -> None:
+    """Wait for the drained API ``proc`` to exit (a generous safety net); one that hangs
+    is asked where its tasks wait (SIGUSR1) and the test fails with its log."""
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        pytest.fail("the API did not exit after SIGTERM:\n" + stack.tail(log_name, 20_000))
+
+
 def test_sigterm_tells_streams_to_reconnect_and_they_resume_elsewhere(stack: Stack) -> None:
     doomed, survivor = stack.api_urls
     api_proc = stack.procs[1]  # procs: worker, first API, second API
@@ -67,7 +78,7 @@ def test_sigterm_tells_streams_to_reconnect_and_they_resume_elsewhere(stack: Sta
     ended_at = time.monotonic()
     assert retry == 250  # the reconnect hint arrived, then the stream closed
     assert seen[-1].data != "[DONE]"  # truncated, not finished: the client resumes it
-    api_proc.wait(timeout=120)  # a safety net: it exits by itself
+    exited(api_proc, stack, doomed_log)  # it exits by itself
     exited_at = time.monotonic()
     print(
         f"\ndrain: stream closed {1000 * (ended_at - sent_at):.0f} ms after SIGTERM, "
@@ -98,7 +109,7 @@ def test_sigterm_tells_responses_streams_to_reconnect_too(stack: Stack) -> None:
     rid, seen, retry, _ = read_until_drained(doomed + "/v1/responses", body, api_proc, 6)
     assert retry == 250  # the reconnect hint arrived, then the stream closed
     assert seen[-1].event != "response.completed"  # cut short: the client resumes it
-    api_proc.wait(timeout=120)
+    exited(api_proc, stack, f"api-{doomed.rsplit(':', 1)[1]}")
     with (
         httpx.Client(base_url=survivor, timeout=30) as client,
         client.stream(

@@ -423,3 +423,20 @@ def test_idempotent_responses_stream_again_and_refuse_another_body(
     with pytest.raises(UnprocessableEntityError) as refused:
         sdk.responses.create(model=stack.model, input="another body", extra_headers=key)
     assert refused.value.code == "idempotency_key_reused"
+
+
+def test_sampling_fields_pass_on_and_the_penalties_are_echoed(stack: Stack, sdk: OpenAI) -> None:
+    """Open Responses' penalties (not in the SDK's signature) and vLLM's extensions of the
+    Responses request (``stop``, ``ignore_eos``, ``top_k``, ``seed``... -- what ``vllm bench
+    serve`` sends) reach the engine as a chat request's; only the spec's are echoed."""
+    cut = LONG.split()[3]
+    extra = {"presence_penalty": 0.5, "stop": [cut], "ignore_eos": False, "top_k": 5, "seed": 7}
+    resp = sdk.responses.create(model=stack.model, input=LONG, extra_body=extra)
+    assert resp.status == "completed"
+    assert resp.output_text == LONG[: LONG.index(cut)]  # the stop string ended it
+    assert (resp.presence_penalty, resp.frequency_penalty) == (0.5, 0.0)
+    assert "top_k" not in (resp.model_extra or {}) and "stop" not in (resp.model_extra or {})
+    with pytest.raises(BadRequestError) as err:
+        sdk.responses.create(model=stack.model, input="hi", extra_body={"frequency_penalty": 3})
+    body = err.value.body
+    assert isinstance(body, dict) and body.get("param") == "frequency_penalty", body

@@ -41,6 +41,11 @@ async def test_a_named_connection_is_seen_comes_back_and_goes(redis: Redis, keys
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
     # its process gone: the node counts no subscriber (other workers are not asked about)
-    assert (await observer.poll([worker, "never-seen"]))[1] == set()
+    # once it has read the close (a socket closed here reaches Redis a moment later)
+    async def unsubscribed() -> bool:
+        return (await observer.poll([worker, "never-seen"]))[1] == set()
+
+    await eventually(unsubscribed, "no subscriber once the connection is closed")
     await observer.close()

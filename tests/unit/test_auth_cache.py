@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import exc as sa_exc
 
 from service.api import auth as auth_module
-from service.api.auth import Authenticator
+from service.api.auth import Authenticator, TooManyFailures
 from service.errors import ServiceUnavailable, Unauthorized
 from service.ledger.api_keys import hash_secret
 from service.ledger.ledger import PostgresUnavailable, unreachable
@@ -88,10 +88,10 @@ def authenticator(store: FakeKeys, **kw: Any) -> Authenticator:
     return Authenticator(store, **kw)  # type: ignore[arg-type]
 
 
-async def code_of(a: Authenticator, header: str) -> str:
+async def code_of(a: Authenticator, header: str, client: str | None = None) -> str:
     try:
-        principal = await a.principal(header)
-    except (Unauthorized, ServiceUnavailable) as exc:
+        principal = await a.principal(header, client)
+    except (Unauthorized, ServiceUnavailable, TooManyFailures) as exc:
         return f"{exc.status_code} {exc.code}"
     return f"ok {principal.tenant}"
 
@@ -206,7 +206,8 @@ async def test_the_cache_drops_its_oldest_answers_first(clock: Clock, store: Fak
     assert await code_of(a, key("good")) == "ok t-good"
     for i in range(3):
         clock.now += 1
-        assert await code_of(a, key(f"nokey{i}")) == "401 invalid_api_key"
+        store.rows[f"k{i}"] = row(f"k{i}")
+        assert await code_of(a, key(f"k{i}")) == f"ok t-k{i}"
     assert "good" not in a._cache and len(a._cache) == 3
 
 
@@ -249,3 +250,40 @@ def test_a_bug_raised_while_handling_an_outage_is_a_bug() -> None:
     bug = KeyError("a bug")
     bug.__context__ = ConnectionRefusedError(111, "refused")  # raised in its except block
     assert not unreachable(bug)
+
+
+async def test_made_up_keys_neither_ask_twice_nor_push_real_keys_out(
+    clock: Clock, store: FakeKeys
+) -> None:
+    a = authenticator(store, max_entries=2)
+    assert await code_of(a, key("good")) == "ok t-good"
+    for i in range(50):  # a flood of well-formed keys that do not exist
+        assert await code_of(a, key(f"madeup{i}")) == "401 invalid_api_key"
+    assert await code_of(a, key("madeup7")) == "401 invalid_api_key"
+    assert store.asked.count("madeup7") == 1  # remembered: the store is not asked again
+    store.down = True  # the real key is still known without the store
+    assert await code_of(a, key("good")) == "ok t-good"
+    assert store.asked.count("good") == 1
+
+
+async def test_an_address_that_sent_too_many_bad_keys_is_refused_without_asking(
+    clock: Clock, store: FakeKeys
+) -> None:
+    a = authenticator(store, failures_per_minute=3)
+    assert await code_of(a, key("good"), "10.0.0.1") == "ok t-good"
+    for i in range(3):
+        assert await code_of(a, key(f"guess{i}"), "10.0.0.1") == "401 invalid_api_key"
+    asked = len(store.asked)
+    assert await code_of(a, key("guess9"), "10.0.0.1") == "429 too_many_auth_failures"
+    assert await code_of(a, key("good", "y" * 16), "10.0.0.1") == "429 too_many_auth_failures"
+    assert len(store.asked) == asked  # refused before any lookup
+    # a key the cache knows still works from there (an office behind one address)...
+    assert await code_of(a, key("good"), "10.0.0.1") == "ok t-good"
+    # ... another address is not affected, and the minute passes
+    assert await code_of(a, key("guess0"), "10.0.0.2") == "401 invalid_api_key"
+    clock.now += 61
+    assert await code_of(a, key("guess0"), "10.0.0.1") == "401 invalid_api_key"
+    # a missing key costs nothing and is not counted
+    b = authenticator(store, failures_per_minute=1)
+    for _ in range(3):
+        assert await code_of(b, "", "10.0.0.3") == "401 missing_api_key"

@@ -62,7 +62,7 @@ PARTS = {K8S / "base" / "worker", K8S / "overlays" / "two-models" / "qwen"}
 K8S_VERSIONS = ("1.31.0", "1.37.0")
 
 SETTING_VARS = {PREFIX + f.name.upper() for f in dataclasses.fields(Settings)}
-SECRETS = {"lastevent-database"}  # created by the operator (ops/k8s/README.md)
+SECRETS = {"lastevent-database", "lastevent-redis"}  # the operator's (ops/k8s/README.md)
 
 # How long a process may take after its drain, before it has exited (the grace period
 # must cover drain + this). API: uvicorn's shutdown, then the lifespan closes the
@@ -300,14 +300,15 @@ def main_container(obj: dict[str, Any]) -> dict[str, Any]:
 
 def env_of(objects: tuple[dict[str, Any], ...], container: dict[str, Any]) -> dict[str, str]:
     """The container's environment: its ConfigMaps' data, then its env (a value from a
-    Secret or the pod's fields stands in as a placeholder)."""
+    Secret or the pod's fields stands in as a placeholder; ``$(NAME)`` in a value is the
+    variable defined before it, as the kubelet expands it)."""
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
         assert set(source) == {"configMapRef"}, f"envFrom {source}"
         env.update(find(objects, "ConfigMap", source["configMapRef"]["name"])["data"])
     for var in container.get("env", []):
         if "value" in var:
-            env[var["name"]] = var["value"]
+            env[var["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), var["value"])
         else:
             (kind,) = var["valueFrom"]
             env[var["name"]] = f"<{kind}>"
@@ -876,7 +877,12 @@ def test_redis_cluster_job_makes_the_cluster_of_exactly_its_pods() -> None:
             v["name"]: v.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
             for v in node["env"]
         }
-        assert env == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
+        assert env == {
+            "POD_NAME": "metadata.name",
+            "POD_NAMESPACE": "metadata.namespace",
+            "REDIS_PASSWORD": None,  # from the Secret lastevent-redis
+            "REDISCLI_AUTH": None,
+        }
         suffix = f".{governing['metadata']['name']}.$(POD_NAMESPACE).svc"
         assert node["command"] == ["sh", "/etc/redis-cluster/start.sh"]
         assert node["args"] == ["--cluster-announce-hostname", "$(POD_NAME)" + suffix]

@@ -347,7 +347,11 @@ def test_the_response_echoes_the_params_with_openai_defaults() -> None:
     tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
     params = {"tools": tools, "temperature": 0.2, "metadata": {"k": "v"}, "prompt_cache_key": "x"}
     response = render(log([("text", "hi")]), params)[0].data["response"]
-    assert response["tools"] == tools and response["temperature"] == 0.2
+    # the spec's FunctionTool: every field, null where the request left it out
+    echoed = [{**tools[0], "description": None, "strict": None}]
+    assert response["tools"] == echoed and response["temperature"] == 0.2
+    assert response["completed_at"] is None and response["safety_identifier"] is None
+    assert response["presence_penalty"] == 0.0 and response["frequency_penalty"] == 0.0
     assert response["metadata"] == {"k": "v"} and response["prompt_cache_key"] == "x"
     assert response["model"] == "tiny" and response["created_at"] == CREATED.created
     assert response["top_p"] == 1.0 and response["tool_choice"] == "auto"

@@ -12,8 +12,9 @@ import pytest
 from httpx_sse import EventSource
 from openai import OpenAI
 
+from bench.vllm_bench_serve import vllm_bench
 from service.stream.ids import Cursor, EventId
-from tests.e2e.conftest import Stack, make_stack
+from tests.e2e.conftest import Stack
 from tests.e2e.helpers import (
     assert_ids_increase,
     content_of,
@@ -21,7 +22,7 @@ from tests.e2e.helpers import (
     read_all,
     tool_calls_of,
 )
-from tests.vllm.conftest import VLLM_ENV
+from tests.vllm.conftest import vllm_stack
 
 pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore")]
 
@@ -32,14 +33,8 @@ QUESTION = "What is the capital of France?"
 def stack(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, database_url: str, model_dir: Path
 ) -> Iterator[Stack]:
-    st = make_stack(tmp_path_factory.mktemp("vllm"), redis_url, database_url, model_dir)
-    try:
-        # vLLM's CPU build starts in ~30-60 s; start_worker waits for it
-        st.start_worker(**{k.removeprefix("LASTEVENT_").lower(): v for k, v in VLLM_ENV.items()})
-        st.start_api()
+    with vllm_stack(tmp_path_factory.mktemp("vllm"), redis_url, database_url, model_dir) as st:
         yield st
-    finally:
-        st.stop()
 
 
 @pytest.fixture
@@ -206,3 +201,24 @@ def test_logprobs_from_vllm(stack: Stack, sdk: OpenAI) -> None:
         assert item.top_logprobs[0].token == item.token
     text = b"".join(bytes(t.bytes or []) for t in lp.content).decode("utf-8", "replace")
     assert text == resp.choices[0].message.content
+
+
+@pytest.mark.parametrize("backend", ["openai-chat", "openai"])
+def test_vllm_bench_serve_completes_every_request(
+    stack: Stack, model_dir: Path, tmp_path: Path, backend: str
+) -> None:
+    """vLLM's own benchmark, unmodified, through its module: every request completes with
+    OpenAI's literal framing asked for (``--header X-SSE-Framing=openai``); without it, its
+    literal parser fails on the ``retry:`` and ``id:`` lines the resumable framing sends."""
+
+    def run(framed: bool) -> dict[str, float]:
+        return vllm_bench(
+            stack.url, backend, model_dir, num_prompts=8, input_len=32, output_len=16,
+            framed=framed, out=tmp_path,
+        )  # fmt: skip
+
+    framed = run(True)
+    assert (framed["completed"], framed["num_prompts"]) == (8, 8), framed
+    assert framed["total_output_tokens"] > 0
+    plain = run(False)
+    assert plain["completed"] == 0, plain

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import Stack, make_stack
-from tests.vllm.conftest import VLLM_ENV
+from tests.vllm.conftest import VLLM_SETTINGS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore"), pytest.mark.timeout(600)]
 
@@ -76,9 +76,8 @@ def stack(
     adapter: tuple[Path, Reference],
 ) -> Iterator[Stack]:
     st = make_stack(tmp_path_factory.mktemp("vllm-lora"), redis_url, database_url, model_dir)
-    env = {k.removeprefix("LASTEVENT_").lower(): v for k, v in VLLM_ENV.items()}
     try:
-        st.start_worker(lora_modules=f"{ADAPTER}={adapter[0]}", **env)
+        st.start_worker(lora_modules=f"{ADAPTER}={adapter[0]}", **VLLM_SETTINGS)
         st.start_api()
         yield st
     finally:

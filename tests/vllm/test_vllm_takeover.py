@@ -22,12 +22,11 @@ from tests.e2e.test_takeover import (
     reconcile_clean,
     takeover_db,  # noqa: F401 - a fixture: a database of this module's own
 )
-from tests.vllm.conftest import VLLM_ENV
+from tests.vllm.conftest import VLLM_SETTINGS
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore"), pytest.mark.timeout(600)]
 
-WORKER = {k.removeprefix("LASTEVENT_").lower(): v for k, v in VLLM_ENV.items()}
 
 QUESTIONS = [
     "Write a long story about a lighthouse keeper and the sea.",
@@ -59,7 +58,9 @@ def vllm_stack(
 
 def start_workers(st: Stack, *names: str) -> dict[str, subprocess.Popen[bytes]]:
     """Start vLLM workers side by side (each takes ~30-60 s), then wait for all of them."""
-    procs = {name: st.start_worker(name, wait=False, worker_drain_s=0, **WORKER) for name in names}
+    procs = {
+        name: st.start_worker(name, wait=False, worker_drain_s=0, **VLLM_SETTINGS) for name in names
+    }
     for name, proc in procs.items():
         wait_until(
             lambda name=name, proc=proc: (

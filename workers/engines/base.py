@@ -24,6 +24,10 @@ id is the last one yielded); ``ignore_eos`` means EOS ids do not end it (but
 ``stop_token_ids`` still do); ``min_tokens``: neither may be sampled before that many.
 Logprobs are the model's raw log-softmax (before temperature, penalties and biases,
 as vLLM's default ``raw_logprobs``).
+``images``: the prompt's images (PNG, JPEG, GIF or WebP bytes, checked by the API), one
+per placeholder in the prompt's ids, in order: an engine whose model sees (``images``
+True: vLLM's, for a multi-modal model) passes them to the model; any other raises
+``EngineError`` (the API refused them first: the worker declared its ``images``).
 ``tests/engine_contract.py`` is the behaviour every engine must show.
 """
 
@@ -53,10 +57,28 @@ class StepOutput:
     finish_reason: EngineFinish | None = None
     # one per id of ``token_ids`` when ``params.logprobs`` is not None, else None
     logprobs: list[Sampled] | None = None
+    # an engine that streams text, not ids (an upstream in text mode): the step's text,
+    # and on the last step the completion tokens the engine counted (None: not said)
+    text: str | None = None
+    completion_tokens: int | None = None
+    # the prompt's tokens as the engine counted them, where that is not the job's ids
+    # (vLLM: an image's placeholder is many tokens), said on some step (None: not said)
+    prompt_tokens: int | None = None
 
 
 class Engine(Protocol):
     name: str
+    # it continues a request from the ids another worker made (False: an engine that
+    # streams text only; such a request ends ``worker_lost`` and is never parked)
+    continues: bool
+    # it takes images with a prompt (a vision model under vLLM: its worker declares so)
+    images: bool
+
+    @property
+    def available(self) -> bool:
+        """Whether it can take a request now (an upstream that refuses connections: no;
+        the worker claims nothing meanwhile and its heartbeat offers no slots)."""
+        ...
 
     async def start(self) -> None: ...
 
@@ -70,6 +92,8 @@ class Engine(Protocol):
         generated: Sequence[int] = (),
         *,
         adapter: str | None = None,  # a LoRA adapter the worker serves (None: the base)
+        conversation: bytes = b"",  # a text-mode upstream's request (``Job.conversation``)
+        images: Sequence[bytes] = (),  # the prompt's images, in order (``Job.images``)
     ) -> AsyncGenerator[StepOutput, None]: ...
 
     async def abort(self, request_id: str) -> None: ...

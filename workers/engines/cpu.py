@@ -14,7 +14,8 @@ decode thread, never at module import.
 
 Sampling (``cpu_sampling.Sampler``) applies every ``SamplingParams`` field in vLLM's sampler order,
 so that this engine and vLLM agree; structured output is xgrammar's, the library vLLM
-uses, compiled against the model's tokenizer when a request first asks for it.
+uses, compiled on a thread of its own (``grammar.Grammars``: bounded in size, time and
+memory) while the request waits to join the batch and the others decode.
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from service.stream.lifecycle import EngineFinish
-from service.stream.params import SamplingParams, Structured
+from service.stream.params import SamplingParams
 from workers.engines.base import EngineError, StepOutput
 from workers.engines.cpu_batch import Scheduler, Seq
 from workers.engines.cpu_sampling import Sampler
+from workers.engines.grammar import TIMEOUT_S, Grammars
 
 _ABORTED = StepOutput([], finished=True, finish_reason=EngineFinish.ABORT)
-_ANY_OBJECT = '{"type": "object"}'  # json_object, as vLLM's xgrammar backend compiles it
 _REMEMBERED_EARLY_ABORTS = 1024
 MAX_BATCH = 8  # requests decoded together (LASTEVENT_CPU_MAX_BATCH)
 PREFILL_CHUNK = 256  # joining prompt tokens prefilled per step (the running ones wait)
@@ -52,6 +53,7 @@ class _Request:
     params: SamplingParams
     emit: Callable[[StepOutput | BaseException], None]
     generated: list[int]  # made before, elsewhere (a takeover): prefilled after the prompt
+    grammar: Any = None  # xgrammar's compiled grammar (structured output), made beforehand
     stop: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
@@ -59,6 +61,9 @@ class CpuEngine:
     """Runs the prepared model in-process on CPU, requests batched continuously."""
 
     name = "cpu"
+    continues = True
+    images = False  # it takes no images (the API refuses them for its models)
+    available = True  # (in this process: while it lives)
 
     def __init__(
         self,
@@ -68,8 +73,10 @@ class CpuEngine:
         threads: int | None = None,
         max_batch: int = MAX_BATCH,
         prefill_chunk: int = PREFILL_CHUNK,
+        grammar_timeout_s: float = TIMEOUT_S,
     ) -> None:
-        """``eos_token_ids``: the ids that end a request (``finish_reason`` ``stop``)."""
+        """``eos_token_ids``: the ids that end a request (``finish_reason`` ``stop``);
+        ``grammar_timeout_s``: the longest a request waits for its grammar to compile."""
         self.model_dir = Path(model_dir)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.threads = threads
@@ -83,7 +90,7 @@ class CpuEngine:
         self._extra_kwargs: dict[str, Any] = {}
         self._max_len = 0
         self._vocab = 0  # the width of the model's logits (may exceed the tokenizer's)
-        self._compiler: Any = None  # xgrammar's, built on the first structured request
+        self.grammars = Grammars(self._tokenizer_info, timeout_s=grammar_timeout_s)
         self._active: dict[str, _Request] = {}
         # abort() may beat the first __anext__ of generate(); remember a bounded few.
         self._early_aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -122,6 +129,7 @@ class CpuEngine:
         if executor is not None:
             shutdown = functools.partial(executor.shutdown, wait=True, cancel_futures=True)
             await asyncio.get_running_loop().run_in_executor(None, shutdown)
+        self.grammars.close()
         self._model = None
 
     def _load(self) -> None:
@@ -151,8 +159,12 @@ class CpuEngine:
         generated: Sequence[int] = (),
         *,
         adapter: str | None = None,
+        conversation: bytes = b"",
+        images: Sequence[bytes] = (),
     ) -> AsyncGenerator[StepOutput, None]:
         """Yield one ``StepOutput`` per generated token; the last one has ``finished``."""
+        if images:  # (the API refuses images for a model whose worker does not see)
+            raise EngineError(f"the {self.name} engine takes no images", "invalid_request")
         scheduler = self._scheduler
         if adapter is not None:  # (the worker refuses adapters at its start)
             raise EngineError("the cpu engine serves no adapters", "model_not_found")
@@ -167,8 +179,11 @@ class CpuEngine:
         if request_id in self._early_aborts:
             del self._early_aborts[request_id]
             self._abort_request(request)
-        scheduler.submit(request)
         try:
+            if params.structured is not None and not request.stop.is_set():
+                # compiled off the decode thread: the batch decodes meanwhile
+                request.grammar = await self.grammars.compiled(params.structured)
+            scheduler.submit(request)
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -230,7 +245,7 @@ class CpuEngine:
             ends = frozenset(params.stop_token_ids) | (
                 frozenset() if params.ignore_eos else self.eos_token_ids
             )
-            matcher = self._matcher(params.structured, stops)
+            matcher = self._matcher(request.grammar, stops)
             sampler = Sampler(params, prompt, request.generated, self._vocab, stops, matcher)
         except BaseException as exc:  # noqa: BLE001 - everything must reach the loop
             request.emit(exc)
@@ -257,31 +272,23 @@ class CpuEngine:
         if params.temperature < 0 or not 0 < params.top_p <= 1:
             raise EngineError("temperature must be >= 0 and top_p in (0, 1]", "invalid_request")
 
-    def _matcher(self, structured: Structured | None, stops: frozenset[int]) -> Any:
-        """An xgrammar matcher for ``structured`` (None without), compiled as vLLM's
-        xgrammar backend does: a schema, or ``{"type": "object"}`` for ``json_object``."""
-        if structured is None:
+    @staticmethod
+    def _matcher(grammar: Any, stops: frozenset[int]) -> Any:
+        """An xgrammar matcher of ``grammar`` (None without: no structured output)."""
+        if grammar is None:
             return None
         import xgrammar
 
-        if structured.kind == "json_object":
-            schema = _ANY_OBJECT
-        elif structured.kind == "json_schema" and structured.schema is not None:
-            schema = structured.schema
-        else:
-            raise EngineError(f"unknown structured output {structured.kind!r}", "invalid_request")
-        if self._compiler is None:
-            from transformers import AutoTokenizer
+        return xgrammar.GrammarMatcher(grammar, override_stop_tokens=sorted(stops))
 
-            tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-            # the model's logits may be wider than the tokenizer: xgrammar masks the rest
-            info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._vocab)
-            self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=True)
-        try:
-            compiled = self._compiler.compile_json_schema(schema)
-        except Exception as exc:  # a schema xgrammar cannot read
-            raise EngineError(f"invalid JSON schema: {exc}", "invalid_request") from exc
-        return xgrammar.GrammarMatcher(compiled, override_stop_tokens=sorted(stops))
+    def _tokenizer_info(self) -> Any:
+        """xgrammar's view of the tokenizer (on the compile thread, when first needed):
+        the model's logits may be wider than the tokenizer, xgrammar masks the rest."""
+        import xgrammar
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        return xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._vocab)
 
     def _forward(
         self, input_ids: Any, cache: Any, attention_mask: Any = None, position_ids: Any = None

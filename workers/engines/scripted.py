@@ -41,6 +41,9 @@ _TURN_CLOSE = "<|im_end|>"
 
 class ScriptedEngine:
     name = "scripted"
+    continues = True
+    images = False  # it takes no images (the API refuses them for its models)
+    available = True  # (in this process: while it lives)
 
     def __init__(
         self,
@@ -94,7 +97,11 @@ class ScriptedEngine:
         generated: Sequence[int] = (),
         *,
         adapter: str | None = None,
+        conversation: bytes = b"",
+        images: Sequence[bytes] = (),
     ) -> AsyncGenerator[StepOutput, None]:
+        if images:  # (the API refuses images for a model whose worker does not see)
+            raise EngineError(f"the {self.name} engine takes no images", "invalid_request")
         script = self.script_for(prompt_token_ids)
         if adapter is not None:
             if adapter not in self._adapters:

@@ -41,6 +41,7 @@ from typing import Any
 from service.stream.lifecycle import EngineFinish
 from service.stream.logprobs import Sampled
 from service.stream.params import SamplingParams
+from workers.engines import vllm_prompt
 from workers.engines.base import EngineError, StepOutput
 
 _FINISH = {"stop": EngineFinish.STOP, "length": EngineFinish.LENGTH, "abort": EngineFinish.ABORT}
@@ -67,6 +68,9 @@ class VllmConfig:
 
 class VllmEngine:
     name = "vllm"
+    continues = True
+    images = False  # a vision model's worker takes images (``start`` reads the model)
+    available = True  # (in this process: while it lives)
 
     def __init__(self, config: VllmConfig) -> None:
         self.config = config
@@ -98,6 +102,8 @@ class VllmEngine:
         if self._continues:
             vllm_config.model_config.logits_processors = [CONTINUATION_PROCESSOR]
         self._llm = AsyncLLM.from_vllm_config(vllm_config, disable_log_stats=True)
+        media = vllm_config.model_config.multimodal_config
+        self.images = media is not None and media.get_limit_per_prompt("image") > 0
 
     def _lora_args(self) -> dict[str, Any]:
         if not self.config.adapters:
@@ -136,9 +142,9 @@ class VllmEngine:
         generated: Sequence[int] = (),
         *,
         adapter: str | None = None,
+        conversation: bytes = b"",
+        images: Sequence[bytes] = (),
     ) -> AsyncGenerator[StepOutput, None]:
-        from vllm.inputs import TokensPrompt
-
         if self._llm is None:
             raise EngineError("the vLLM engine is not started", "engine_not_ready")
         left = params.max_tokens - len(generated)
@@ -147,7 +153,7 @@ class VllmEngine:
             return
         sampling = self._sampling(params, generated, left)
         # a takeover: vLLM prefills the prompt and the ids made elsewhere, and continues
-        prompt = TokensPrompt(prompt_token_ids=[*prompt_token_ids, *generated])
+        prompt = await vllm_prompt.prompt([*prompt_token_ids, *generated], images, self.images)
         lora = self._lora(adapter)
         try:
             async for out in self._llm.generate(
@@ -163,7 +169,8 @@ class VllmEngine:
                 logprobs = None
                 if params.logprobs is not None:
                     logprobs = _sampled(completion.logprobs, params.logprobs, len(ids))
-                yield StepOutput(ids, out.finished, reason, logprobs)
+                said = len(out.prompt_token_ids or ()) - len(generated) if images else None
+                yield StepOutput(ids, out.finished, reason, logprobs, prompt_tokens=said)
                 if out.finished:
                     return
         except EngineError:

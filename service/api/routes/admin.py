@@ -17,6 +17,7 @@ from litestar.response import Stream
 from service.api import audit, billing
 from service.api.auth import Principal
 from service.api.context import Context
+from service.api.documented import success_as
 from service.api.request_ids import checked_request_id, no_such_request
 from service.api.schemas import error_responses
 from service.errors import Forbidden, InvalidRequest
@@ -50,7 +51,7 @@ def _tenant(principal: Principal, asked: str | None) -> str | None:
     return asked if audit.is_operator(principal) else principal.tenant
 
 
-_MIN_SPEED = 0.01  # a hundred times slower than the original
+_REPLAY_MEDIA = {"sse": sse.MEDIA_TYPE, "text": "text/plain", "json": "application/x-ndjson"}
 
 
 def _speed(raw: str) -> float | None:
@@ -61,10 +62,10 @@ def _speed(raw: str) -> float | None:
         rate = float(raw)
     except ValueError:
         rate = math.nan
-    if not (math.isfinite(rate) and rate >= _MIN_SPEED):
+    if not (math.isfinite(rate) and rate >= replay.MIN_SPEED):
         shown = raw[:40] + ("..." if len(raw) > 40 else "")
         raise InvalidRequest(
-            f"speed is {shown!r}; it must be 'max' or a number of at least {_MIN_SPEED:g}",
+            f"speed is {shown!r}; it must be 'max' or a number of at least {replay.MIN_SPEED:g}",
             param="speed",
         )
     return rate
@@ -77,6 +78,7 @@ class AdminController(Controller):
     @get(
         "/requests/{request_id:str}/replay",
         summary="Replay an answer as clients received it",
+        operation_class=success_as(*_REPLAY_MEDIA.values(), json=False),
         responses=error_responses(400, 401, 403, 404),
     )
     async def replay(
@@ -95,7 +97,6 @@ class AdminController(Controller):
         created = entries[0][1] if entries else None
         if not (isinstance(created, Created) and audit.visible(principal, created.tenant)):
             raise no_such_request(request_id)
-        media = {"sse": sse.MEDIA_TYPE, "text": "text/plain", "json": "application/x-ndjson"}
         return Stream(
             replay.render(
                 request_id,
@@ -104,7 +105,7 @@ class AdminController(Controller):
                 fmt=format,
                 reconnect_hint_ms=ctx.settings.reconnect_hint_ms,
             ),
-            media_type=media[format],
+            media_type=_REPLAY_MEDIA[format],
             headers=dict(sse.HEADERS),
         )
 
@@ -214,6 +215,7 @@ class AdminController(Controller):
     @get(
         "/billing/spend",
         summary="Usage per day, tenant and model (JSON or CSV)",
+        operation_class=success_as("text/csv", json=True),
         responses=error_responses(400, 401, 503),
     )
     async def spend(
@@ -236,7 +238,7 @@ class AdminController(Controller):
         name = f"spend-{start.date()}-{end.date()}.csv"
         return Response(
             billing.csv_text(rows),
-            media_type="text/csv; charset=utf-8",
+            media_type="text/csv",  # (Litestar adds the charset)
             headers={"Content-Disposition": f'attachment; filename="{name}"'},
         )
 

@@ -11,20 +11,23 @@ from litestar.response import Stream
 from service.api import answers, intake, stored
 from service.api.auth import Principal
 from service.api.context import Context
-from service.api.intake import JsonBodyRequest
+from service.api.documented import EVENT_CURSOR, IDEMPOTENCY_KEY, SSE, success_as
+from service.api.framing import framing
 from service.api.schemas import ChatCompletionRequest, CompletionRequest, error_responses
 from service.api.submit import accept
+
+_READS = (IDEMPOTENCY_KEY, EVENT_CURSOR)
 
 
 class CompletionsController(Controller):
     path = "/v1"
     tags = ("completions",)
-    request_class = JsonBodyRequest
 
     @post(
         "/chat/completions",
         status_code=200,
         summary="Create a chat completion",
+        operation_class=success_as(SSE, json=True, headers=_READS),
         responses=error_responses(400, 401, 403, 404, 413, 422, 429, 503),
     )
     async def chat(
@@ -34,9 +37,12 @@ class CompletionsController(Controller):
         request: Request[Any, Any, Any],
         data: ChatCompletionRequest,
     ) -> Response[Any] | Stream:
-        sub = intake.chat(ctx, data, principal)
+        framed = framing(request, ctx.settings.sse_framing)
+        sub = await intake.chat(ctx, data, principal)
         acc = await accept(ctx, sub, principal, await intake.idempotency(request))
-        return await answers.completion(ctx, request, acc, stream=data.stream, kind=sub.kind)
+        return await answers.completion(
+            ctx, request, acc, stream=data.stream, kind=sub.kind, framed=framed
+        )
 
     @get(
         "/chat/completions",
@@ -68,6 +74,7 @@ class CompletionsController(Controller):
         "/completions",
         status_code=200,
         summary="Create a text completion",
+        operation_class=success_as(SSE, json=True, headers=_READS),
         responses=error_responses(400, 401, 403, 404, 413, 422, 429, 503),
     )
     async def completions(
@@ -77,6 +84,9 @@ class CompletionsController(Controller):
         request: Request[Any, Any, Any],
         data: CompletionRequest,
     ) -> Response[Any] | Stream:
-        sub = intake.completion(ctx, data, principal)
+        framed = framing(request, ctx.settings.sse_framing)
+        sub = await intake.completion(ctx, data, principal)
         acc = await accept(ctx, sub, principal, await intake.idempotency(request))
-        return await answers.completion(ctx, request, acc, stream=data.stream, kind=sub.kind)
+        return await answers.completion(
+            ctx, request, acc, stream=data.stream, kind=sub.kind, framed=framed
+        )

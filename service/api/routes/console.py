@@ -4,31 +4,14 @@ needs no key; the page asks for one and keeps it in the tab's sessionStorage onl
 
 The page shows attacker-controlled text (prompts, answers, metadata), so it is served
 with a strict Content-Security-Policy: scripts, styles and connections of its own origin
-only, no inline script or style, no framing, no form posts, no referrer."""
+only, no inline script or style, no framing, no form posts, no referrer (the page headers
+of every static file, set in static_files.py)."""
 
 from __future__ import annotations
 
 from litestar import Controller, Response, get
 
 from service.api.static_files import static_file
-
-CSP = "; ".join(
-    (
-        "default-src 'none'",
-        "script-src 'self'",
-        "style-src 'self'",
-        "connect-src 'self'",
-        "img-src 'self' data:",
-        "base-uri 'none'",
-        "form-action 'none'",
-        "frame-ancestors 'none'",
-    )
-)
-HEADERS = {
-    "Content-Security-Policy": CSP,
-    "X-Frame-Options": "DENY",
-    "Referrer-Policy": "no-referrer",
-}
 
 
 class ConsoleController(Controller):
@@ -37,4 +20,4 @@ class ConsoleController(Controller):
 
     @get("/console", summary="The operators' console: find, open, replay and reconcile requests")
     async def console(self) -> Response[bytes]:
-        return static_file("console.html", HEADERS)
+        return static_file("console.html")

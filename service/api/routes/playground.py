@@ -1,6 +1,7 @@
-"""The playground page (/playground) and the static files it uses (/static/...): the JS
-client (lastevent.js) and the page itself, served as they are in service/api/static/ (no
-build step, no API key needed to load them)."""
+"""The playground page (/playground) and the static files (/static/...): the JS client
+(lastevent.js), the playground's script and style and the console's files, served as they
+are in service/api/static/ (no build step, no API key needed to load them), each with the
+page headers of static_files.py. Where the playground may send a key: playground.js."""
 
 from __future__ import annotations
 

@@ -2,24 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 from litestar import Controller, Request, Response, get, post
+from litestar.openapi.datastructures import ResponseSpec
 from litestar.response import Stream
 
 from service.api import intake
 from service.api.auth import Principal
 from service.api.cancel import cancel_request
 from service.api.context import Context
+from service.api.documented import EVENT_CURSOR, SSE, success_as
+from service.api.framing import framing
 from service.api.metrics import RESUMES
-from service.api.readers import cold_frames, nothing_after, sse_frames
+from service.api.readers import admit_return, nothing_after, seated, sse_frames
 from service.api.request_ids import REQUEST_ID_HEADER, checked_request_id, no_such_request, owned
 from service.api.schemas import error_responses
 from service.api.status import request_status
 from service.stream import sse
 from service.stream.events import Created, Event
-from service.stream.ids import EventId
+from service.stream.ids import Cursor, EventId
 from service.stream.lifecycle import State
+from service.stream.render import ChunkRenderer, sse_event_frames
 
 
 async def _archived(ctx: Context, rid: str) -> list[tuple[EventId, Event]]:
@@ -36,7 +41,11 @@ class RequestsController(Controller):
     @get(
         "/{request_id:str}/events",
         summary="Stream a request's events (resumable)",
-        responses=error_responses(400, 401, 404),
+        operation_class=success_as(SSE, json=False, headers=(EVENT_CURSOR,)),
+        responses={
+            **error_responses(400, 401, 404),
+            204: ResponseSpec(None, description="The cursor is the terminal event"),
+        },
         opt={"stream_token": True},
     )
     async def events(
@@ -50,6 +59,7 @@ class RequestsController(Controller):
         """SSE from the start, or after ``Last-Event-ID`` (header) / ``?after=``; 204 when
         the cursor is the terminal event (nothing more will come)."""
         cursor, param = intake.event_cursor(request, after, "after")
+        framed = framing(request, ctx.settings.sse_framing)
         # after the cursor's check, as for an id that never existed (same answers)
         checked_request_id(request_id)
         headers = {**sse.HEADERS, REQUEST_ID_HEADER: request_id}
@@ -65,7 +75,7 @@ class RequestsController(Controller):
             if nothing_after(request_id, cold, entries[-1], cursor):
                 return Response(b"", status_code=204, headers={REQUEST_ID_HEADER: request_id})
             hint = ctx.settings.reconnect_hint_ms
-            frames = cold_frames(request_id, entries, cursor, hint)
+            frames = cold_frames(request_id, entries, cursor, hint, framed)
             return Stream(frames, media_type=sse.MEDIA_TYPE, headers=headers)
         created = owned(first[1], principal, request_id)
         if cursor is not None:
@@ -76,7 +86,9 @@ class RequestsController(Controller):
                 # the client has it all: 204 is how the SSE standard tells it to stop (an
                 # empty 200 makes EventSource reconnect every few seconds, for ever)
                 return Response(b"", status_code=204, headers={REQUEST_ID_HEADER: request_id})
-        frames = sse_frames(ctx, request_id, created, cursor)
+        live = sse_frames(ctx, request_id, created, cursor, framing=framed)
+        frames = seated(ctx, request_id, created, live)
+        await admit_return(ctx, request_id, created)
         return Stream(frames, media_type=sse.MEDIA_TYPE, headers=headers)
 
     @get(
@@ -95,7 +107,12 @@ class RequestsController(Controller):
         "/{request_id:str}/cancel",
         status_code=200,
         summary="Cancel a request in any phase (idempotent)",
-        responses=error_responses(401, 404),
+        responses={
+            **error_responses(401, 404),
+            202: ResponseSpec(
+                dict[str, Any], description="Not confirmed yet by its worker: its state"
+            ),
+        },
     )
     async def cancel(
         self, ctx: Context, principal: Principal, request_id: str
@@ -105,3 +122,21 @@ class RequestsController(Controller):
         it is terminal, 202 if the worker has not confirmed within ``cancel_wait_s``."""
         found = await cancel_request(ctx, principal, request_id)
         return Response(found, status_code=200 if State(found["state"]).terminal else 202)
+
+
+async def cold_frames(
+    rid: str,
+    entries: list[tuple[EventId, Event]],
+    cursor: Cursor | None,
+    reconnect_hint_ms: int,
+    framed: sse.Framing,
+) -> AsyncIterator[bytes]:
+    """An archived log as SSE (``framed`` so): the same ids and bytes the hot log gave."""
+    created = entries[0][1]
+    assert isinstance(created, Created)
+    renderer = ChunkRenderer(rid, created)
+    out: list[bytes] = [framed.opening(reconnect_hint_ms)]
+    for eid, event in entries:
+        out.extend(sse_event_frames(renderer, eid, event, cursor, framed))
+    if out:
+        yield b"".join(out)

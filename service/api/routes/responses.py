@@ -1,7 +1,8 @@
 """OpenAI's Responses API over the same request log: ``POST /v1/responses`` (streaming,
 not, or ``background``), ``GET /v1/responses/{id}`` (the object, or its events after
 ``starting_after`` / ``Last-Event-ID``), ``POST /v1/responses/{id}/cancel``,
-``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``.
+``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``;
+``POST /v1/responses/compact`` (the conversation summarised: ``compaction.py``).
 
 A response is a request like a chat completion (the same prompt, tools, structured
 output, worker and log); only its rendering differs (``stream/response_events.py``),
@@ -21,9 +22,17 @@ from litestar.response import Stream
 from service.api import answers, intake
 from service.api.auth import Principal
 from service.api.cancel import cancel_request
+from service.api.compaction import CompactRequest, compact
 from service.api.context import Context
-from service.api.intake import JsonBodyRequest
-from service.api.readers import response_frames, response_renderer, response_sse
+from service.api.documented import IDEMPOTENCY_KEY, SEQUENCE_CURSOR, SSE, success_as
+from service.api.framing import framing
+from service.api.readers import (
+    admit_return,
+    response_frames,
+    response_renderer,
+    response_sse,
+    seated,
+)
 from service.api.request_ids import REQUEST_ID_HEADER
 from service.api.response_input import kept, listed
 from service.api.response_log import entries, response_object
@@ -39,12 +48,12 @@ from service.stream.response_events import frames_after
 class ResponsesController(Controller):
     path = "/v1/responses"
     tags = ("responses",)
-    request_class = JsonBodyRequest
 
     @post(
         "",
         status_code=200,
         summary="Create a response (OpenAI's Responses API)",
+        operation_class=success_as(SSE, json=True, headers=(IDEMPOTENCY_KEY, SEQUENCE_CURSOR)),
         responses=error_responses(400, 401, 403, 404, 413, 422, 429, 503),
     )
     async def create(
@@ -56,13 +65,32 @@ class ResponsesController(Controller):
     ) -> Response[Any] | Stream:
         """``Idempotency-Key``: the same key and body again answer the same response (its
         stream from the start, or after ``Last-Event-ID``); another body, a 422."""
+        framed = framing(request, ctx.settings.sse_framing)
         sub = await intake.response(ctx, data, principal)
         acc = await accept(ctx, sub, principal, await intake.idempotency(request))
-        return await answers.response(ctx, request, acc, data)
+        return await answers.response(ctx, request, acc, data, framed)
+
+    @post(
+        "/compact",
+        status_code=200,
+        summary="Compact a conversation into one compaction item (Open Responses)",
+        responses=error_responses(400, 401, 403, 404, 413, 422, 429, 503),
+    )
+    async def compact(
+        self,
+        ctx: Context,
+        principal: Principal,
+        request: Request[Any, Any, Any],
+        data: CompactRequest,
+    ) -> Response[Any]:
+        """The conversation (``input``, after ``previous_response_id``'s) summarised by
+        the model into a ``compaction`` item: send it as input in place of those turns."""
+        return await compact(ctx, request, principal, data)
 
     @get(
         "/{response_id:str}",
         summary="A response, or its events after starting_after (resumable)",
+        operation_class=success_as(SSE, json=True, headers=(SEQUENCE_CURSOR,)),
         responses=error_responses(400, 401, 404),
     )
     async def retrieve(
@@ -76,6 +104,7 @@ class ResponsesController(Controller):
         include_obfuscation: bool | None = None,  # (no obfuscation here: nothing to turn off)
     ) -> Response[Any] | Stream:
         after = intake.sequence_cursor(request, starting_after)
+        framed = framing(request, ctx.settings.sse_framing)
         if after is not None and not stream:
             raise InvalidRequest("'starting_after' needs 'stream=true'", param="starting_after")
         found = await entries(ctx, response_id, principal)
@@ -83,12 +112,16 @@ class ResponsesController(Controller):
         if not stream:
             return Response(response_object(response_id, found), headers=headers)
         if found.hot:  # follow it to its end, from what was just read
-            frames = response_frames(ctx, response_id, found.created, after, logged=found.entries)
+            frames = response_frames(
+                ctx, response_id, found.created, after, logged=found.entries, framing=framed
+            )
+            frames = seated(ctx, response_id, found.created, frames)
+            await admit_return(ctx, response_id, found.created)
             return Stream(frames, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **headers})
         rendered = frames_after(
             response_renderer(response_id, found.created), (e for _, e in found.entries), after
         )
-        body = sse.retry_line(ctx.settings.reconnect_hint_ms) + response_sse(rendered)
+        body = framed.opening(ctx.settings.reconnect_hint_ms) + response_sse(rendered, framed)
         return Response(body, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **headers})
 
     @post(

@@ -79,7 +79,11 @@ class SystemController(Controller):
     async def healthz(self) -> dict[str, str]:
         return {"status": "ok"}
 
-    @get("/readyz", summary="Redis and Postgres answer, at the durability level in force")
+    @get(
+        "/readyz",
+        summary="Redis and Postgres answer, at the durability level in force",
+        responses={503: ResponseSpec(dict[str, Any], description="Not ready: the checks")},
+    )
     async def readyz(self, ctx: Context) -> Response[dict[str, Any]]:
         checks: dict[str, str] = {}
         checks["redis"] = await pool.check(ctx.redis)

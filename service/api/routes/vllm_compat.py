@@ -9,16 +9,19 @@ carries on).
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated
 
 import msgspec
 from litestar import Controller, post
 from msgspec import Meta
 
+from service.api import images, sizes
 from service.api.auth import Principal
 from service.api.context import Context
 from service.api.contract import render_conversation
-from service.api.intake import JsonBodyRequest, check_model
+from service.api.intake import check_model
+from service.api.rendering import weight
 from service.api.schemas import ChatMessage, error_responses
 from service.errors import InvalidRequest
 from service.tokenize import ModelInfo
@@ -88,7 +91,6 @@ def token_ids(model: ModelInfo, data: TokenizeRequest) -> list[int]:
 
 class VllmCompatController(Controller):
     tags = ("vllm",)
-    request_class = JsonBodyRequest
 
     @post(
         "/tokenize",
@@ -100,7 +102,13 @@ class VllmCompatController(Controller):
         self, ctx: Context, principal: Principal, data: TokenizeRequest
     ) -> TokenizeResponse:
         model = check_model(ctx, data.model, principal)
-        ids = token_ids(model, data)
+        messages = data.messages or []
+        sizes.check_count("messages", len(messages))  # (before the template runs)
+        # an image is its placeholder here (one token; vLLM widens it when it runs)
+        found = images.in_messages(messages)
+        images.check_seen(found, model.name, ctx.catalog.sees(model.name), ctx.settings.max_images)
+        size = weight(messages, data.prompt)
+        ids = await ctx.renderer.run(size, functools.partial(token_ids, model, data))
         strs = None
         if data.return_token_strs:
             strs = [model.tokenizer.id_to_token(i) or "" for i in ids]

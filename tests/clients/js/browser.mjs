@@ -6,6 +6,10 @@
 //   connection" once mid-answer, wait for the end; the answer shown, the state shown.
 // eventsource: open a page of another origin (PAGE_URL) that follows an answer with a
 //   plain EventSource and a stream token; wait until the EventSource is CLOSED.
+// attacker: the playground with a key saved, then a link that names another server
+//   (ATTACKER_URL, `?baseUrl=...&model=`) in the same tab: Send; then that server typed into
+//   the "Server" field: Send; then a new tab. What each showed, the storage of each tab,
+//   and the page's CSP violations.
 import { rmSync } from "node:fs";
 
 import { launch } from "./chromium.mjs";
@@ -19,6 +23,12 @@ const { profile, context, page } = await launch("lastevent-chromium-", {
 const consoleLines = [];
 page.on("console", (m) => consoleLines.push(`${m.type()}: ${m.text()}`));
 page.on("pageerror", (e) => consoleLines.push(`pageerror: ${e.message}`));
+await context.addInitScript(() => {
+  window.__violations = [];
+  document.addEventListener("securitypolicyviolation", (e) => {
+    window.__violations.push(`${e.violatedDirective} ${e.blockedURI} ${e.sample || ""}`);
+  });
+});
 
 async function playground() {
   await page.goto(env.PAGE_URL, { waitUntil: "load" });
@@ -52,7 +62,54 @@ async function eventsource() {
   return { result: await page.evaluate(() => ({ ...window.result })) };
 }
 
-const modes = { playground, eventsource };
+// what the playground shows and keeps, in page ``p``
+function kept(p) {
+  return p.evaluate(() => ({
+    server: document.getElementById("base-url").value,
+    key: document.getElementById("api-key").value,
+    notice: document.getElementById("notice")?.textContent ?? null, // (none before issue 41)
+    answer: window.playground.answer ?? null,
+    error: window.playground.error ?? null,
+    sessionStorage: Object.fromEntries(Object.entries(sessionStorage)),
+    localStorage: Object.fromEntries(Object.entries(localStorage)),
+    cookie: document.cookie,
+    violations: window.__violations,
+  }));
+}
+
+async function sendAndWait(p, question) {
+  await p.evaluate(() => (window.playground.done = false));
+  await p.fill("#question", question);
+  await p.click("#send");
+  await p.waitForFunction(() => window.playground.done, null, { timeout: TIMEOUT_MS, polling: 100 });
+}
+
+async function attacker() {
+  const link = `${env.PAGE_URL}?${new URLSearchParams({ baseUrl: env.ATTACKER_URL, model: "" })}`;
+  // a key saved: the one an older playground left in localStorage, and typed in this tab
+  await page.goto(env.PAGE_URL, { waitUntil: "load" });
+  await page.evaluate((key) => localStorage.setItem("lastevent.apiKey", key), env.LASTEVENT_API_KEY);
+  await page.fill("#api-key", env.LASTEVENT_API_KEY);
+  await page.press("#api-key", "Tab"); // a change event, as a person leaving the field
+  const saved = await kept(page);
+  // the link, in the same tab (its sessionStorage holds the key)
+  await page.goto(link, { waitUntil: "load" });
+  await sendAndWait(page, env.QUESTION);
+  const linked = await kept(page);
+  // the other server typed in by the user: the key is not carried over
+  await page.fill("#base-url", env.ATTACKER_URL);
+  await page.press("#base-url", "Tab");
+  const typedBeforeSend = await kept(page);
+  await sendAndWait(page, env.QUESTION);
+  const typed = await kept(page);
+  // a new tab: nothing of the key
+  const tab = await context.newPage();
+  await tab.goto(env.PAGE_URL, { waitUntil: "load" });
+  const newTab = await kept(tab);
+  return { saved, linked, typedBeforeSend, typed, newTab };
+}
+
+const modes = { playground, eventsource, attacker };
 const mode = process.argv[2];
 try {
   if (!modes[mode]) throw new Error(`mode: one of ${Object.keys(modes).join(", ")}`);
