@@ -35,6 +35,7 @@ from httpx_sse import EventSource
 from service.settings import MODEL_NAME
 from service.store.heartbeats import Heartbeat
 from service.store.keys import Keys
+from service.stream import events as ev
 from service.stream.lifecycle import Meta
 from service.stream.params import SamplingParams
 from service.tokenize import ModelInfo
@@ -406,17 +407,29 @@ def slots_offered(st: Stack) -> int:
 def freeze_vllm_when(
     vllm_serve: VllmServe, st: Stack, stream: Stream, ready: Callable[[str], bool]
 ) -> str:
-    """SIGSTOP vLLM's process group at a moment the stream's logged text satisfies
-    ``ready`` (freeze, look, let it go on and look again); returns that text."""
+    """SIGSTOP vLLM's process group the moment the stream's logged text satisfies
+    ``ready`` (the log followed append by append with a blocking XREAD, so a fast answer
+    cannot slip past the window between two looks); returns the logged text once vLLM is
+    frozen. Fails at once, saying what the log held, if the request ends first or the
+    answer was already past the window when vLLM stopped."""
+    client, key = st.store(), Keys(st.settings.key_prefix, st.settings.partitions).log(
+        stream.request_id
+    )
+    last, seen = b"0-0", ""
     deadline = time.monotonic() + RESTART_S
     while time.monotonic() < deadline:
-        vllm_serve.send(signal.SIGSTOP)
-        shown = logged_text(st, stream.request_id)
-        if ready(shown):
+        for _, entries in client.xread({key: last}, block=1000) or []:
+            for last, fields in entries:
+                event = ev.decode(fields[b"e"])
+                seen += event.text if isinstance(event, ev.Delta) else ""
+        if ready(seen):
+            vllm_serve.send(signal.SIGSTOP)
+            shown = logged_text(st, stream.request_id)  # what was on the wire is appended
+            assert ready(shown), f"the answer ran past the cut before vLLM stopped: {shown!r}"
             return shown
-        vllm_serve.send(signal.SIGCONT)
-        time.sleep(0.01)
-    raise AssertionError("the log never reached the wanted cut")
+        state = state_of(st, stream.request_id)
+        assert state in ("queued", "running"), f"the request ended ({state}) at {seen!r}"
+    raise AssertionError(f"the log never reached the wanted cut: {seen!r}")
 
 
 # -- text mode in front of the same vllm serve: the conversation in, text out ----------
