@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import os
 import signal
+from collections.abc import Callable
 
 from redis.asyncio import Redis
 
@@ -18,6 +19,7 @@ from service.settings import Settings
 from service.store import commit, pool
 from service.store.commit import Committer
 from service.store.keys import Keys
+from service.store.local import LocalFeed
 from service.store.log import RedisLog
 from service.store.models import parse_lora_modules
 from service.store.outbox import Outbox
@@ -132,19 +134,27 @@ def build_recorder(
     )
 
 
-async def serve(settings: Settings) -> None:
+async def serve(
+    settings: Settings,
+    feed: LocalFeed | None = None,
+    held_by: Callable[[Runner], None] | None = None,
+) -> None:
+    """The worker until it is stopped. In a node (``service/cli/node.py``): ``feed``
+    hands its appends to the readers in the process, and ``held_by`` gets the runner
+    instead of the signals (the node stops it), and the HTTP server serves the metrics."""
     if settings.engine == "cpu" and settings.cpu_max_batch < settings.worker_concurrency:
         # the CPU engine's slots are its batch: the worker claims no more (the rest wait
         # in the queue, where admission counts them and another worker may take them)
         settings = dataclasses.replace(settings, worker_concurrency=max(1, settings.cpu_max_batch))
     if not settings.redis_url:
         raise SystemExit("LASTEVENT_REDIS_URL is not set")
-    serve_metrics(settings.metrics_port, settings.host)
+    if held_by is None:
+        serve_metrics(settings.metrics_port, settings.host)
     model = ModelInfo.load(settings.resolved_model_dir, settings.model_name)
     engine = build_engine(settings, model)
     redis = pool.of(settings, 64)
     await warm(redis)
-    runner = Runner(settings, redis, engine, model)
+    runner = Runner(settings, redis, engine, model, feed)
     # (before minutes of engine load)
     await commit.started(runner.log.committer, "worker", settings.startup_replica_wait_s)
     await engine.start()
@@ -152,10 +162,13 @@ async def serve(settings: Settings) -> None:
     recorder = None
     if db is not None and settings.recorder_in_worker:
         recorder = build_recorder(settings, redis, Ledger(db), runner.log.committer)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, runner.stop)
-    aio.dump_tasks_on_sigusr1()
+    if held_by is None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, runner.stop)
+        aio.dump_tasks_on_sigusr1()
+    else:
+        held_by(runner)
     log.info("worker %s ready (engine %s)", settings.worker_id, engine.name)
     recording = asyncio.create_task(recorder.run()) if recorder else None
     try:
@@ -169,7 +182,8 @@ async def serve(settings: Settings) -> None:
         await _within("the Redis pool's close", asyncio.ensure_future(redis.aclose()))
         if db is not None:
             await _within("the Postgres pool's close", asyncio.ensure_future(db.dispose()))
-        await _leave_nothing_running()
+        if held_by is None:  # (a node's HTTP server is still closing its own)
+            await _leave_nothing_running()
 
 
 async def _within(what: str, task: asyncio.Future[None], timeout_s: float = 5.0) -> None:

@@ -29,6 +29,7 @@ from service.store.control import Control
 from service.store.heartbeats import Heartbeat, Heartbeats
 from service.store.keys import Keys, model_lane
 from service.store.liveness import Announcer
+from service.store.local import LocalFeed
 from service.store.log import RedisLog, Retention
 from service.store.models import ModelRegistry, parse_lora_modules
 from service.store.pool import survived
@@ -47,7 +48,16 @@ MAX_CLAIM_BURST = 64  # jobs taken in one queue read
 
 
 class Runner:
-    def __init__(self, settings: Settings, redis: Redis, engine: Engine, model: ModelInfo) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        redis: Redis,
+        engine: Engine,
+        model: ModelInfo,
+        feed: LocalFeed | None = None,
+    ) -> None:
+        """``feed``: a node's readers in this process (``store/local.py``), fed from the
+        appends of the requests it runs."""
         self.settings = settings
         self.engine = engine
         self.keys = keys = Keys(settings.key_prefix, settings.partitions)
@@ -63,7 +73,9 @@ class Runner:
         self.announcer = Announcer(
             redis, keys, settings.worker_id, self._beat, silent_s=settings.redis_silent_s
         )
-        self.batcher = AppendBatcher(self.log, interval_s=settings.flush_interval_ms / 1000)
+        self.batcher = AppendBatcher(
+            self.log, interval_s=settings.flush_interval_ms / 1000, feed=feed
+        )
         self.generation = Generation(engine, model, self.batcher, settings.request_deadline_s)
         self.watch = PresenceWatch(
             self.control,

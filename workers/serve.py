@@ -119,6 +119,8 @@ class Serve:
             if owner is None:  # expired, ended, or queued again (this worker was frozen)
                 await self.queue.ack(rid, entry_id)
                 return True
+            if self.batcher.feed is not None:  # a node: its readers of rid fed from memory
+                self.batcher.feed.own(rid)
             await self._run(entry_id, job, owner)
         except UNREACHABLE as exc:
             if not job.deadline_unix_s or time.time() < job.deadline_unix_s:
@@ -140,6 +142,9 @@ class Serve:
         except Exception:
             log.exception("request %s failed in the worker", rid)
             await self._fail(entry_id, job, owner, endings.INTERNAL)
+        finally:
+            if self.batcher.feed is not None:
+                self.batcher.feed.release(rid)
         return True
 
     async def _run(self, entry_id: bytes, job: Job, owner: Owner) -> None:

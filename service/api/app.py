@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import logging
 import re
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
@@ -26,7 +25,7 @@ from service.api.auth import Authenticator, Principal, TooManyFailures
 from service.api.catalog import Catalog
 from service.api.context import Context, Drain
 from service.api.intake import JsonBodyRequest
-from service.api.metrics import REJECTED, watch_loop_lag
+from service.api.metrics import REJECTED, watch_loop_lag, watch_tail
 from service.api.routes.admin import AdminController
 from service.api.routes.completions import CompletionsController
 from service.api.routes.console import ConsoleController
@@ -39,7 +38,7 @@ from service.api.routes.system import SystemController
 from service.api.routes.vllm_compat import VllmCompatController
 from service.api.seats import Seats
 from service.api.static_files import openapi_config
-from service.api.sweeper import Sweeper
+from service.api.sweeper import sweeper_of
 from service.errors import ApiError, ServiceUnavailable, Unauthorized
 from service.ledger.api_keys import ApiKeys
 from service.ledger.audit import Audit
@@ -51,12 +50,11 @@ from service.store.control import Control
 from service.store.heartbeats import Heartbeats
 from service.store.keys import Keys
 from service.store.limits import Limits
-from service.store.liveness import Observer
+from service.store.local import LocalFeed
 from service.store.log import RedisLog, Retention
 from service.store.models import ModelRegistry
 from service.store.pool import UNREACHABLE, warm
 from service.store.presence import Presence
-from service.store.queue import RequestQueue
 from service.store.shared import IdempotencyKeys
 from service.store.tail import LogTailer
 from service.stream import sse
@@ -194,9 +192,10 @@ def cors_config(settings: Settings) -> CORSConfig | None:
 
 @contextlib.asynccontextmanager
 async def serving(
-    settings: Settings, models: dict[str, ModelInfo], drain: Drain
+    settings: Settings, models: dict[str, ModelInfo], drain: Drain, feed: LocalFeed | None = None
 ) -> AsyncIterator[Context]:
-    """The process's clients, stores and background tasks, for as long as it serves."""
+    """The process's clients, stores and background tasks, for as long as it serves
+    (``feed``: a node's worker's appends, ``store/local.py``)."""
     if not settings.redis_url:
         raise RuntimeError("LASTEVENT_REDIS_URL is not set (use `lastevent up` for embedded)")
     redis = pool.of(settings, 256)
@@ -211,7 +210,9 @@ async def serving(
     # key lookups on a pool of their own: made-up keys cannot take the ledger's connections
     url = settings.database_url
     key_store = ApiKeys(make_engine(url, pool_size=2)) if url else None
-    ctx = _context(settings, models, drain, (redis, tail_redis, committer), ledger, key_store)
+    stores = (redis, tail_redis, committer)
+    ctx = _context(settings, models, drain, stores, ledger, key_store, feed)
+    watch_tail(ctx.tailer, feed)
     drain.bind(asyncio.get_running_loop())
     assert drain.future is not None
     drain.future.add_done_callback(lambda _f: ctx.tailer.interrupt())
@@ -220,7 +221,7 @@ async def serving(
     with contextlib.suppress(*UNREACHABLE, ConnectionError):  # (else: at its next refresh)
         await ctx.catalog.refresh()
     cataloguing = asyncio.create_task(ctx.catalog.run(), name="catalog")
-    sweeper = _sweeper(settings, redis, ctx)
+    sweeper = sweeper_of(settings, redis, ctx)
     sweeping = asyncio.create_task(sweeper.run(), name="sweeper")
     lag = asyncio.create_task(watch_loop_lag(), name="event-loop-lag")
     try:
@@ -244,24 +245,20 @@ async def serving(
         await aio.teardown(steps, settings.drain_s)
 
 
-def _sweeper(settings: Settings, redis: Redis, ctx: Context) -> Sweeper:
-    """Takes a lost worker's jobs over, in every known model's queues."""
-    keys = ctx.log.keys
-    swept = RequestQueue(redis, keys)
-    ctx.catalog.follow(swept)
-    return Sweeper(
-        ctx.log,
-        swept,
-        ctx.admission.heartbeats,
-        sweeper_id=f"sweeper-{uuid.uuid4().hex[:8]}",
-        stale_s=settings.worker_stale_s,
-        interval_s=settings.sweep_interval_s,
-        max_takeovers=settings.max_takeovers,
-        takeover_wait_s=settings.takeover_wait_s,
-        request_deadline_s=settings.request_deadline_s,
-        connections=Observer(redis, keys) if settings.worker_connection_grace_s >= 0 else None,
-        connection_grace_s=settings.worker_connection_grace_s,
-        connection_poll_s=settings.worker_connection_poll_s,
+def _tailer(
+    settings: Settings, stores: tuple[Redis, Redis, Committer], feed: LocalFeed | None = None
+) -> LogTailer:
+    tail_redis, redis, committer = stores
+    return LogTailer(
+        tail_redis,
+        committer.keys,
+        block_ms=settings.tail_block_ms,
+        count=settings.tail_count,
+        shard_size=settings.tail_shard_size,
+        keepalive_s=settings.keepalive_s,
+        writer=redis,
+        committer=committer,
+        feed=feed,
     )
 
 
@@ -272,26 +269,17 @@ def _context(
     stores: tuple[Redis, Redis, Committer],
     ledger: Ledger | None,
     key_store: ApiKeys | None = None,
+    feed: LocalFeed | None = None,
 ) -> Context:
     redis, tail_redis, committer = stores
     keys = committer.keys
-    tailer = LogTailer(
-        tail_redis,
-        keys,
-        block_ms=settings.tail_block_ms,
-        count=settings.tail_count,
-        shard_size=settings.tail_shard_size,
-        keepalive_s=settings.keepalive_s,
-        writer=redis,
-        committer=committer,
-    )
     retention = Retention.of(settings)
     control = Control(redis, keys, retention)
     return Context(
         settings=settings,
         redis=redis,
         log=RedisLog(redis, keys, retention, committer),
-        tailer=tailer,
+        tailer=_tailer(settings, (tail_redis, redis, committer), feed),
         model=models[settings.model_name],
         catalog=Catalog(
             models,
@@ -344,7 +332,9 @@ def _provide_ctx(request: Request[Any, Any, Any]) -> Context:
     return ctx
 
 
-def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
+def create_app(
+    settings: Settings, drain: Drain | None = None, feed: LocalFeed | None = None
+) -> Litestar:
     models = {name: ModelInfo.load(path, name) for name, path in settings.model_dirs.items()}
     drain = drain or Drain()
     if settings.sse_framing not in sse.FRAMINGS:
@@ -356,7 +346,7 @@ def create_app(settings: Settings, drain: Drain | None = None) -> Litestar:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        async with serving(settings, models, drain) as ctx:
+        async with serving(settings, models, drain, feed) as ctx:
             aio.dump_tasks_on_sigusr1()  # a hung API: where its tasks wait
             app.state.ctx = ctx
             yield

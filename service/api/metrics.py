@@ -6,6 +6,9 @@ import asyncio
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from service.store.local import LocalFeed
+from service.store.tail import LogTailer
+
 REQUESTS = Counter(
     "lastevent_requests_total", "Requests accepted into the queue", ["kind", "stream", "model"]
 )
@@ -37,11 +40,26 @@ RENDERING = Gauge(
     "lastevent_prompts_rendering",
     "Prompts being templated or tokenized off the event loop, or waiting for a thread to",
 )
+TAIL_READS = Gauge(
+    "lastevent_tail_reads",
+    "XREAD calls of this process's tail shards so far (a node's own readers need none)",
+)
+FROM_MEMORY = Gauge(
+    "lastevent_node_events_from_memory",
+    "Events a node handed its readers from its worker's appends, not read back from Redis",
+)
 EVENT_LOOP_LAG = Histogram(
     "lastevent_event_loop_lag_seconds",
     "How late the event loop woke a sleep (every stream of the process waits as long)",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
 )
+
+
+def watch_tail(tailer: LogTailer, feed: LocalFeed | None) -> None:
+    """The tail's counters, read at each scrape."""
+    TAIL_READS.set_function(lambda: tailer.reads)
+    if feed is not None:
+        FROM_MEMORY.set_function(lambda: feed.delivered)
 
 
 async def watch_loop_lag(interval_s: float = 0.25) -> None:

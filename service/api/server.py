@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import h11
@@ -31,9 +32,18 @@ from service.api.asgi import SendTimeoutMiddleware
 from service.api.context import Drain
 from service.api.gate import Gate, Hosts
 from service.settings import Settings
+from service.store.local import LocalFeed
 
 
 def run(settings: Settings) -> None:
+    server(settings).run()
+
+
+def server(
+    settings: Settings, feed: LocalFeed | None = None, on_exit: Callable[[], None] | None = None
+) -> uvicorn.Server:
+    """The API's uvicorn server; in a node (``service/cli/node.py``) ``feed`` is its
+    worker's appends and ``on_exit`` stops that worker when a signal stops the server."""
     drain = Drain()
 
     class DrainingServer(uvicorn.Server):
@@ -42,11 +52,13 @@ def run(settings: Settings) -> None:
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             drain.start()
+            if on_exit is not None:
+                on_exit()
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(
         Gate(
-            SendTimeoutMiddleware(create_app(settings, drain), settings.send_timeout_s),
+            SendTimeoutMiddleware(create_app(settings, drain, feed), settings.send_timeout_s),
             Hosts.parse(settings.allowed_hosts),
             max_in_flight=settings.max_streams + 100,  # then 503, but never to a probe
         ),
@@ -70,7 +82,7 @@ def run(settings: Settings) -> None:
     )
     # stream tokens travel in the query string: the access log shows it without them
     logging.getLogger("uvicorn.access").addFilter(RedactTokens())
-    DrainingServer(config).run()
+    return DrainingServer(config)
 
 
 MAX_HEAD_BYTES = 64 * 1024  # a request's line and headers

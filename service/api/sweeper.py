@@ -25,8 +25,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
+from typing import TYPE_CHECKING
+
+from redis.asyncio import Redis
 
 from service.api.metrics import REQUEUED, WORKER_CONNECTIONS_LOST, WORKERS_CONNECTED
+from service.settings import Settings
 from service.store.heartbeats import Heartbeats
 from service.store.liveness import Judge, Observer
 from service.store.log import LogError, RedisLog
@@ -35,6 +40,9 @@ from service.store.queue import Job, RequestQueue, wait_for_takeover
 from service.stream import endings
 from service.stream.endings import Failure
 from service.stream.lifecycle import Requeue, State
+
+if TYPE_CHECKING:
+    from service.api.context import Context
 
 log = logging.getLogger(__name__)
 
@@ -273,3 +281,24 @@ class Sweeper:
             log.warning("request %s: ended errored: %s", rid, message)
         except LogError as exc:
             log.warning("request %s: could not end it: %s", rid, exc)
+
+
+def sweeper_of(settings: Settings, redis: Redis, ctx: Context) -> Sweeper:
+    """Takes a lost worker's jobs over, in every known model's queues."""
+    keys = ctx.log.keys
+    swept = RequestQueue(redis, keys)
+    ctx.catalog.follow(swept)
+    return Sweeper(
+        ctx.log,
+        swept,
+        ctx.admission.heartbeats,
+        sweeper_id=f"sweeper-{uuid.uuid4().hex[:8]}",
+        stale_s=settings.worker_stale_s,
+        interval_s=settings.sweep_interval_s,
+        max_takeovers=settings.max_takeovers,
+        takeover_wait_s=settings.takeover_wait_s,
+        request_deadline_s=settings.request_deadline_s,
+        connections=Observer(redis, keys) if settings.worker_connection_grace_s >= 0 else None,
+        connection_grace_s=settings.worker_connection_grace_s,
+        connection_poll_s=settings.worker_connection_poll_s,
+    )

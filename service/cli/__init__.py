@@ -2,6 +2,7 @@
 
     up                       everything on one machine (what ``make run`` runs)
     api | worker | recorder  one process of that role
+    node                     the API and a worker in one process (one per GPU host)
     migrate                  alembic upgrade head
     model prepare            convert the packaged GGUF model (once)
     billing reconcile|export the ledger against the outbox; usage per tenant
@@ -27,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("up", help="run everything locally (embedded servers unless URLs are set)")
     sub.add_parser("api", help="run the HTTP API")
     sub.add_parser("worker", help="run one engine worker")
+    sub.add_parser("node", help="run the HTTP API and a worker in one process")
     sub.add_parser("recorder", help="run a recorder (outbox -> Postgres) on its own")
     sub.add_parser("migrate", help="alembic upgrade head")
     model = sub.add_parser("model", help="model files")
@@ -96,6 +98,10 @@ def main(argv: list[str] | None = None) -> None:
         commands.api(settings)
     elif args.cmd == "worker":
         commands.worker(settings)
+    elif args.cmd == "node":
+        from service.cli.node import node
+
+        node(settings)
     elif args.cmd == "recorder":
         commands.recorder(settings)
     elif args.cmd == "migrate":

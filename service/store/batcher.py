@@ -13,6 +13,7 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
+from service.store.local import LocalFeed
 from service.store.log import Append, LogError, Owner, RedisLog
 from service.store.pool import UNREACHABLE
 from service.stream import events as ev
@@ -35,9 +36,16 @@ class AppendBatcher:
     merges a fast request's steps meanwhile)."""
 
     def __init__(
-        self, log: RedisLog, *, max_backoff_s: float = 0.25, interval_s: float = 0.0
+        self,
+        log: RedisLog,
+        *,
+        max_backoff_s: float = 0.25,
+        interval_s: float = 0.0,
+        feed: LocalFeed | None = None,
     ) -> None:
+        """``feed``: the node's readers (``local.py``), handed what each flush wrote."""
         self._log = log
+        self.feed = feed
         self._interval_s = interval_s
         self._last_sent = -interval_s
         self._pending: list[tuple[Append, Owner, float, asyncio.Future[list[EventId]]]] = []
@@ -109,6 +117,12 @@ class AppendBatcher:
         """Send ``batch``; returns what must be sent again (Redis unreachable)."""
         batch = [entry for entry in batch if not entry[3].done()]  # callers that gave up
         items = _merged([(item, owner) for item, owner, *_ in batch])
+        committer, keys = self._log.committer, self._log.keys
+        marks = (
+            {p: committer.mark(p) for p in {keys.partition(i.request_id) for i, _ in items}}
+            if self.feed is not None and committer.needed
+            else {}
+        )
         try:
             merged = await self._log.append_many([item for item, _ in items])
         except UNREACHABLE as exc:
@@ -135,6 +149,16 @@ class AppendBatcher:
         for (_, owner), result in zip(items, merged, strict=True):
             if not isinstance(result, LogError):
                 owner.events += len(result)
+        if self.feed is not None:
+            written = [
+                (item.request_id, list(zip(result, item.events, strict=True)))
+                for (item, _), result in zip(items, merged, strict=True)
+                if not isinstance(result, LogError)
+            ]
+            if committer.needed:
+                self.feed.publish_committed(committer, marks, written)
+            else:
+                self.feed.publish(written)
         return []
 
 

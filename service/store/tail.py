@@ -20,16 +20,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 from redis.asyncio import Redis
 
 from service.store import replies
 from service.store.commit import Committer, Durability
 from service.store.keys import Keys
+from service.store.local import LocalFeed
 from service.store.mailbox import IDLE, Batch, Interrupted, LogLost, Mailbox
 from service.store.pool import STORE_ERRORS, is_cluster, survived
 from service.store.shard import Shard
+from service.stream import events as ev
 from service.stream.ids import EventId
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,9 @@ class Subscription:
         self.keepalive = keepalive
         self.interruptible = interruptible
         self.queue = Mailbox()
+        self.local = False  # fed by the node's worker (``local.py``), not a shard
+        self.held: Batch | None = None  # fed while its read back is on its way
+        self.ended = False  # its log's end was handed over
 
     async def batches(self) -> AsyncIterator[Batch]:
         while True:
@@ -80,7 +85,15 @@ class Subscription:
         fresh = [(eid, e) for eid, e in entries if eid > self.position]
         if fresh:
             self.position = fresh[-1][0]
+            self.ended = isinstance(fresh[-1][1], ev.End)
             self.queue.put_nowait(fresh)
+
+    def offer_local(self, entries: Batch) -> None:
+        """The node's worker's entries: held while the read back is on its way."""
+        if self.held is not None:
+            self.held.extend(entries)
+        else:
+            self.offer(entries)
 
 
 class LogTailer:
@@ -102,10 +115,12 @@ class LogTailer:
         keepalive_s: float | None = None,
         writer: Redis | None = None,
         committer: Committer | None = None,
+        feed: LocalFeed | None = None,
     ) -> None:
         """``redis`` holds one connection per shard in ``XREAD BLOCK`` (so its pool caps the
         shards: 64 connections, ~63,000 followed logs); ``writer`` (default ``redis``) sends
-        the wakes, so that they never queue behind blocked reads."""
+        the wakes, so that they never queue behind blocked reads. ``feed``: the node's
+        worker's appends (``local.py``), for the readers of the requests it writes."""
         self._redis = writer or redis
         self._committer = committer or Committer(self._redis, keys, Durability.MEMORY)
         # the same pool, but XREAD replies left as Redis sent them: redis-py's reply
@@ -124,6 +139,10 @@ class LogTailer:
         self._interrupted: Interrupted | None = None
         self._keepalive_s = keepalive_s
         self._ticker: asyncio.Task[None] | None = None
+        self._feed = feed
+        self._reads_back: set[asyncio.Task[None]] = set()
+        if feed is not None:
+            feed.bind(self)
 
     @property
     def reads(self) -> int:
@@ -132,7 +151,19 @@ class LogTailer:
 
     @property
     def subscriptions(self) -> int:
-        return sum(len(subs) for s in self._shards for subs in s.subs.values())
+        return sum(1 for _ in self._all())
+
+    def _followed(self) -> Iterator[tuple[str, set[Subscription]]]:
+        """Log key -> its readers, through a shard or fed from the node's worker."""
+        for shard in self._shards:
+            yield from shard.subs.items()
+        if self._feed is not None:
+            for rid, subs in self._feed.followed().items():
+                yield self._keys.log(rid), subs
+
+    def _all(self) -> Iterator[Subscription]:
+        for _key, subs in self._followed():
+            yield from subs
 
     @property
     def shards(self) -> int:
@@ -144,9 +175,10 @@ class LogTailer:
             self._ticker = asyncio.create_task(self._tick(self._keepalive_s), name="keepalive")
 
     async def stop(self) -> None:
-        if self._ticker is not None:
-            self._ticker.cancel()
-            await asyncio.gather(self._ticker, return_exceptions=True)
+        for task in [self._ticker, *self._reads_back]:
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await asyncio.gather(*(s.stop() for s in self._shards))
 
     async def _tick(self, every_s: float) -> None:
@@ -164,13 +196,12 @@ class LogTailer:
     async def _tick_once(self, every_s: float) -> None:
         due = time.monotonic() - every_s
         idle: dict[str, set[Subscription]] = {}
-        for shard in self._shards:
-            for key, subs in shard.subs.items():
-                if any(sub.queue.last_put <= due for sub in subs):
-                    idle[key] = subs
-                for sub in subs:
-                    if sub.keepalive and sub.queue.last_put <= due:
-                        sub.queue.put_nowait(IDLE)
+        for key, subs in self._followed():
+            if any(sub.queue.last_put <= due for sub in subs):
+                idle[key] = subs
+            for sub in subs:
+                if sub.keepalive and sub.queue.last_put <= due:
+                    sub.queue.put_nowait(IDLE)
         if idle:
             await self._check_exist(idle)
 
@@ -207,6 +238,14 @@ class LogTailer:
         )
         if interruptible and self._interrupted is not None:
             sub.queue.put_nowait(self._interrupted)
+        if self._feed is not None and self._feed.owns(request_id):
+            self._to_feed(sub)
+        else:
+            self._to_shard(sub)
+        return sub
+
+    def _to_shard(self, sub: Subscription) -> None:
+        request_id = sub.request_id
         key = self._keys.log(request_id)
         shard = self._shard_of.get(key)
         if shard is None:
@@ -229,9 +268,13 @@ class LogTailer:
                 self._shards.append(shard)
             self._shard_of[key] = shard
         shard.add(key, sub)
-        return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
+        if sub.local:
+            assert self._feed is not None
+            self._feed.detach(sub)
+            sub.local = False
+            return
         key = self._keys.log(sub.request_id)
         shard = self._shard_of.get(key)
         if shard is not None and not shard.remove(key, sub):
@@ -240,8 +283,68 @@ class LogTailer:
     def interrupt(self) -> None:
         """Wake every interruptible reader with ``Interrupted`` (now and from now on)."""
         self._interrupted = Interrupted("draining")
-        for shard in self._shards:
-            for subs in shard.subs.values():
-                for sub in subs:
-                    if sub.interruptible:
-                        sub.queue.put_nowait(self._interrupted)
+        for sub in self._all():
+            if sub.interruptible:
+                sub.queue.put_nowait(self._interrupted)
+
+    # -- the node's readers (``local.py``) ---------------------------------------------
+
+    def to_local(self, request_id: str) -> None:
+        """The node's worker writes ``request_id`` now: its readers here leave their shard."""
+        shard = self._shard_of.get(self._keys.log(request_id))
+        if shard is None:
+            return
+        for sub in list(shard.subs.get(self._keys.log(request_id), ())):
+            self.unsubscribe(sub)
+            self._to_feed(sub)
+
+    def to_redis(self, subs: set[Subscription]) -> None:
+        """The node's worker let go: these readers follow the log in Redis from where they
+        are (a reader handed its log's end is done, and follows nothing)."""
+        for sub in subs:
+            sub.local = False
+            held, sub.held = sub.held, None
+            if held:
+                sub.offer(held)
+            if not sub.ended:
+                self._to_shard(sub)
+
+    def _to_feed(self, sub: Subscription) -> None:
+        """Fed from the worker's appends, after one read of what the log holds past the
+        reader's position (what it publishes meanwhile is held, then offered: duplicates
+        are dropped by position)."""
+        assert self._feed is not None
+        sub.local = True
+        sub.held = []
+        self._feed.attach(sub)
+        task = asyncio.get_running_loop().create_task(self._read_back(sub), name="read-back")
+        self._reads_back.add(task)
+        task.add_done_callback(self._reads_back.discard)
+
+    async def _read_back(self, sub: Subscription) -> None:
+        key = self._keys.log(sub.request_id)
+        partition = self._keys.partition(sub.request_id)
+        try:
+            while sub.local:
+                mark = self._committer.mark(partition, self._reader)
+                reply = await self._reader.xread({key: str(sub.position)}, count=self._count)
+                await self._committer.confirm(partition, mark, self._reader)
+                entries = next((e for _k, e in replies.streams_of(reply)), [])
+                sub.offer(
+                    [
+                        (EventId.from_redis(eid), ev.decode(replies.event_payload(fields)))
+                        for eid, fields in entries
+                    ]
+                )
+                if len(entries) < self._count:
+                    break
+        except Exception as exc:  # noqa: BLE001 - a shard reads it, retrying
+            survived("a node reader's read back", exc)
+            if sub.local:
+                assert self._feed is not None
+                self._feed.detach(sub)
+                self.to_redis({sub})
+                return
+        held, sub.held = sub.held, None
+        if held:
+            sub.offer(held)

@@ -89,6 +89,21 @@ class Stack:
             time.sleep(0.1)
         return proc
 
+    def start_node(self, name: str = "node", **overrides: object) -> subprocess.Popen[bytes]:
+        """``lastevent node``: an API and a worker in one process, its URL in ``api_urls``."""
+        port = free_port()
+        worker_id = f"{name}-{uuid.uuid4().hex[:6]}"
+        proc = self._spawn("node", name, port=port, worker_id=worker_id, **overrides)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        while "ready (engine" not in self.tail(name, 1_000_000) or not _ready(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"node did not start: {self.tail(name)}")
+            time.sleep(0.1)
+        self.api_urls.append(url)
+        self.api_procs[url] = proc
+        return proc
+
     def store(self) -> redis.Redis:
         """A client of the stack's Redis (of its cluster, when it runs on one)."""
         url = self.settings.redis_url or ""
@@ -113,6 +128,13 @@ class Stack:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/readyz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def make_stack(
