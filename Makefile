@@ -36,7 +36,7 @@ test: $(STAMP)  ## the whole test suite (real Redis/Postgres: local ones if they
 CLUSTER_TESTS := tests/e2e/test_stream.py tests/e2e/test_cancel.py tests/e2e/test_billing.py \
   tests/e2e/test_openai_sdk.py tests/e2e/test_admission.py tests/e2e/test_takeover.py \
   tests/e2e/test_responses.py tests/e2e/test_slow_clients.py tests/e2e/test_models.py \
-  tests/e2e/test_responses_ws.py tests/e2e/test_framing.py
+  tests/e2e/test_responses_ws.py tests/e2e/test_framing.py tests/e2e/test_node.py
 
 test-cluster: $(STAMP)  ## the e2e core (stream, resume, cancel, presence, admission, billing, replay, models) on a local Redis Cluster
 	LASTEVENT_TEST_REDIS_CLUSTER=1 $(BIN)/python -m pytest -m "not vllm and not chaos and not clients" -n 2 --dist loadfile $(PYTEST_ARGS) $(CLUSTER_TESTS)

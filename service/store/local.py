@@ -37,9 +37,10 @@ class LocalFeed:
         self._owned: set[str] = set()
         self._subs: dict[str, set[Subscription]] = {}
         self._tailer: LogTailer | None = None
-        self._committing: asyncio.Queue[tuple[dict[int, str], list[tuple[str, Batch]]]] = (
-            asyncio.Queue()
-        )
+        # flushes waiting for their barrier, in order: (marks, what each wrote, released)
+        self._committing: asyncio.Queue[
+            tuple[dict[int, str], list[tuple[str, Batch]], list[str]]
+        ] = asyncio.Queue()
         self._committer: asyncio.Task[None] | None = None
         self.delivered = 0  # entries handed to readers from memory (tests, metrics)
 
@@ -60,9 +61,13 @@ class LocalFeed:
 
     def release(self, request_id: str) -> None:
         """The worker let go of ``request_id`` (ended, parked, handed over, fenced out):
-        whoever still reads it here follows the log in Redis from where it is."""
+        whoever still reads it here follows the log in Redis from where it is -- once
+        what it wrote last is published (at ``replica``: after its barrier)."""
         self._owned.discard(request_id)
-        self.demote(request_id)
+        if self._committer is not None and not self._committer.done():
+            self._committing.put_nowait(({}, [], [request_id]))
+        else:
+            self.demote(request_id)
 
     def demote(self, request_id: str) -> None:
         """Readers of ``request_id`` here follow the log in Redis (its writer stays)."""
@@ -87,7 +92,7 @@ class LocalFeed:
         order flushes come. A barrier that fails hands those requests' readers to Redis."""
         if not any(rid in self._subs for rid, _ in written):
             return
-        self._committing.put_nowait((marks, written))
+        self._committing.put_nowait((marks, written, []))
         if self._committer is None or self._committer.done():
             self._committer = asyncio.get_running_loop().create_task(
                 self._confirm(committer), name="local-feed-commit"
@@ -95,15 +100,19 @@ class LocalFeed:
 
     async def _confirm(self, committer: Committer) -> None:
         while not self._committing.empty():
-            marks, written = self._committing.get_nowait()
+            marks, written, released = self._committing.get_nowait()
             try:
-                await committer.confirm_all(marks)
+                if marks:
+                    await committer.confirm_all(marks)
             except Exception as exc:  # noqa: BLE001 - the readers go on from Redis
                 log.warning("a flush's commit barrier failed (%s): its readers read Redis", exc)
                 for rid, _ in written:
                     self.demote(rid)
-                continue
-            self.publish(written)
+            else:
+                self.publish(written)
+            for rid in released:
+                if rid not in self._owned:  # (not claimed again meanwhile)
+                    self.demote(rid)
 
     # -- the readers' side ---------------------------------------------------------------
 

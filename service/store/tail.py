@@ -303,9 +303,9 @@ class LogTailer:
         are (a reader handed its log's end is done, and follows nothing)."""
         for sub in subs:
             sub.local = False
-            held, sub.held = sub.held, None
-            if held:
-                sub.offer(held)
+            # what was held waits for a read back that has not come: the shard reads it
+            # all from the reader's position (offered first, it would skip that read)
+            sub.held = None
             if not sub.ended:
                 self._to_shard(sub)
 
