@@ -412,15 +412,16 @@ def freeze_vllm_when(
     cannot slip past the window between two looks); returns the logged text once vLLM is
     frozen. Fails at once, saying what the log held, if the request ends first or the
     answer was already past the window when vLLM stopped."""
-    client, key = st.store(), Keys(st.settings.key_prefix, st.settings.partitions).log(
-        stream.request_id
+    client, key = (
+        st.store(),
+        Keys(st.settings.key_prefix, st.settings.partitions).log(stream.request_id),
     )
     last, seen = b"0-0", ""
     deadline = time.monotonic() + RESTART_S
     while time.monotonic() < deadline:
         for _, entries in client.xread({key: last}, block=1000) or []:
-            for last, fields in entries:
-                event = ev.decode(fields[b"e"])
+            for entry_id, fields in entries:
+                last, event = entry_id, ev.decode(fields[b"e"])
                 seen += event.text if isinstance(event, ev.Delta) else ""
         if ready(seen):
             vllm_serve.send(signal.SIGSTOP)
