@@ -43,11 +43,13 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
             p.kill()
 
 
-def start_roles(env: dict[str, str], logs: Path) -> list[subprocess.Popen[bytes]]:
-    """A lastevent worker and API process (``lastevent worker`` / ``api``) with ``env``,
-    each logging to ``logs/<role>.log``; worker first."""
+def start_roles(
+    env: dict[str, str], logs: Path, roles: tuple[str, ...] = ("worker", "api")
+) -> list[subprocess.Popen[bytes]]:
+    """lastevent processes of ``roles`` (``lastevent worker`` / ``api`` / ``node``) with
+    ``env``, each logging to ``logs/<role>.log``, in that order."""
     procs = []
-    for role in ("worker", "api"):
+    for role in roles:
         with open(logs / f"{role}.log", "wb") as out:
             procs.append(
                 subprocess.Popen(

@@ -87,7 +87,7 @@ def main() -> None:
             ) as lastevent,
         ):
             rest = at_rest((lastevent,), args.idle_seconds)
-            interleaved(vllm, lastevent, args, rounds)
+            interleaved((vllm, lastevent), args, rounds)
     finally:
         own.stop()
     print()

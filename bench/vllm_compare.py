@@ -1,12 +1,14 @@
 """TTFT, inter-token latency and CPU per token: vLLM's own OpenAI server vs lastevent
-with a vLLM worker.
+with a vLLM worker -- split (an API process and a worker process) and as a node (``lastevent
+node``: both in one process, its readers fed from memory).
 
 Same model, same engine settings, same prompts and concurrency. Both systems are up at
 once and measured in turn, round after round (A B, then B A: a noisy machine's drift
 falls on both), and each figure is the median of the rounds, with each round's ratio
 lastevent / vLLM. CPU seconds per 1,000 delivered tokens are per process, without the
 engine core's own compute (vLLM's ``EngineCore`` process, which both systems have):
-vLLM's API server process; lastevent's API process, its worker process and Redis.
+vLLM's API server process; lastevent's API process, its worker process (or the node's one
+process) and its Redis (each lastevent system has a Redis of its own).
 
     make bench-vllm            # or: .venv-vllm/bin/python -m bench.vllm_compare --help
 
@@ -32,7 +34,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -109,9 +111,12 @@ def lastevent_stack(
     durability: str,
     engine: dict[str, str] | None = None,
     pids: dict[str, int] | None = None,
+    *,
+    node: bool = False,
 ) -> Iterator[System]:
     """lastevent's API and one worker (``engine``: its engine's settings, a vLLM worker's
-    by default); ``pids``: more processes whose CPU its runs count."""
+    by default), or both as one ``node``; ``pids``: more processes whose CPU its runs
+    count."""
     engine = VLLM_WORKER if engine is None else engine
     port = free_port()
     env = {
@@ -128,19 +133,26 @@ def lastevent_stack(
         "LASTEVENT_DURABILITY": durability,
     }
     env.pop("LASTEVENT_DATABASE_URL", None)  # no ledger: measure the stream path only
-    procs = start_roles(env, logs)
+    procs = start_roles(env, logs, ("node",) if node else ("worker", "api"))
     ready = f"ready (engine {engine['LASTEVENT_ENGINE']}".encode()
+    worker_log = logs / ("node.log" if node else "worker.log")
     try:
         wait_ok(f"http://127.0.0.1:{port}/healthz", procs)
         deadline = time.monotonic() + 300
-        while ready not in (logs / "worker.log").read_bytes():
+        while ready not in worker_log.read_bytes():
             if procs[0].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError((logs / "worker.log").read_text()[-3000:])
+                raise RuntimeError(worker_log.read_text()[-3000:])
             time.sleep(0.5)
-        own = {"lastevent worker": procs[0].pid, "lastevent API": procs[1].pid}
-        yield System("lastevent", f"http://127.0.0.1:{port}", {**own, **(pids or {})}, redis_url)
+        if node:
+            name, own = NODE, {"lastevent node": procs[0].pid}
+        else:
+            name, own = SPLIT, {"lastevent worker": procs[0].pid, "lastevent API": procs[1].pid}
+        yield System(name, f"http://127.0.0.1:{port}", {**own, **(pids or {})}, redis_url)
     finally:
         stop(procs)
+
+
+SPLIT, NODE = "lastevent", "lastevent node"
 
 
 @dataclasses.dataclass
@@ -212,10 +224,12 @@ async def load(system: System, concurrency: int, per_client: int, max_tokens: in
 Rounds = dict[int, dict[str, list[Run]]]  # concurrency -> system -> its run of each round
 
 
-def interleaved(a: System, b: System, args: argparse.Namespace, rounds: Rounds) -> None:
-    """``args.rounds`` rounds, A B then B A, each at every concurrency, into ``rounds``."""
+def interleaved(systems: Sequence[System], args: argparse.Namespace, rounds: Rounds) -> None:
+    """``args.rounds`` rounds, each at every concurrency, into ``rounds``; each round in
+    another order (A B C, then C B A, then B C A ...: a noisy machine's drift falls on all)."""
     for r in range(args.rounds):
-        order = (a, b) if r % 2 == 0 else (b, a)
+        turned = [*systems[r // 2 % len(systems) :], *systems[: r // 2 % len(systems)]]
+        order = turned if r % 2 == 0 else turned[::-1]
         for c in args.concurrency:
             for system in order:
                 run = asyncio.run(load(system, c, args.per_client, args.max_tokens))
@@ -224,30 +238,36 @@ def interleaved(a: System, b: System, args: argparse.Namespace, rounds: Rounds) 
 
 
 def latency_table(rounds: Rounds) -> str:
+    """vLLM's server, then each lastevent system: its figure, and its ratio to vLLM's
+    (the median of the rounds' ratios, then each round's)."""
+    others = [name for name in next(iter(rounds.values())) if name != "vLLM"]
+    head = "".join(f" {n} (ms) | {n} / vLLM (median of rounds) | each round |" for n in others)
     rows = [
-        "| concurrency | metric | vLLM server (ms) | lastevent (ms) | lastevent / vLLM "
-        "(median of rounds) | each round |",
-        "| --- | --- | --- | --- | --- | --- |",
+        f"| concurrency | metric | vLLM server (ms) |{head}",
+        "| --- | --- | --- |" + " --- | --- | --- |" * len(others),
     ]
     for c, runs in rounds.items():
         for metric in ("ttft", "itl"):
             for name, q in (("p50", 0.5), ("p99", 0.99)):
                 v = [r.ms(metric, q) for r in runs["vLLM"]]
-                le = [r.ms(metric, q) for r in runs["lastevent"]]
-                ratios = [b / a for a, b in zip(v, le, strict=True)]
-                each = " ".join(f"{x:.2f}" for x in ratios)
-                rows.append(
-                    f"| {c} | {metric.upper()} {name} | {statistics.median(v):.1f} | "
-                    f"{statistics.median(le):.1f} | {statistics.median(ratios):.2f} | {each} |"
-                )
+                row = f"| {c} | {metric.upper()} {name} | {statistics.median(v):.1f} |"
+                for other in others:
+                    le = [r.ms(metric, q) for r in runs[other]]
+                    ratios = [b / a for a, b in zip(v, le, strict=True)]
+                    each = " ".join(f"{x:.2f}" for x in ratios)
+                    row += (
+                        f" {statistics.median(le):.1f} | {statistics.median(ratios):.2f} | {each} |"
+                    )
+                rows.append(row)
     return "\n".join(rows)
 
 
 def cpu_table(rounds: Rounds) -> str:
+    """Per concurrency and lastevent system: vLLM's API server, each of the system's
+    processes, all of them, and the ratio of all to vLLM's server (medians of rounds)."""
     rows = [
-        "| concurrency | vLLM API server | lastevent API | lastevent worker | Redis | "
-        "lastevent in all | lastevent / vLLM |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| concurrency | system | vLLM API server | its processes | in all | / vLLM |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for c, runs in rounds.items():
 
@@ -255,12 +275,12 @@ def cpu_table(rounds: Rounds) -> str:
             return statistics.median(r.cpu_ms_per_1k(process) for r in runs[system])
 
         v = med("vLLM", "vLLM API server")
-        parts = [med("lastevent", p) for p in ("lastevent API", "lastevent worker", "Redis")]
-        total = statistics.median(
-            sum(r.cpu_ms_per_1k(p) for p in r.cpu_s) for r in runs["lastevent"]
-        )
-        cells = " | ".join(f"{x:.0f}" for x in parts)
-        rows.append(f"| {c} | {v:.0f} | {cells} | {total:.0f} | {total / v:.2f} |")
+        for system in (name for name in runs if name != "vLLM"):
+            parts = ", ".join(f"{p} {med(system, p):.0f}" for p in runs[system][0].cpu_s)
+            total = statistics.median(
+                sum(r.cpu_ms_per_1k(p) for p in r.cpu_s) for r in runs[system]
+            )
+            rows.append(f"| {c} | {system} | {v:.0f} | {parts} | {total:.0f} | {total / v:.2f} |")
     return "\n".join(rows)
 
 
@@ -271,7 +291,9 @@ def at_rest(systems: tuple[System, ...], seconds: float) -> dict[str, float]:
     time.sleep(seconds)
     after = [cpu_now(s) for s in systems]
     return {
-        n: (a[n] - b[n]) * 1000 / seconds for b, a in zip(before, after, strict=True) for n in a
+        (f"Redis of {s.name}" if n == "Redis" else n): (a[n] - b[n]) * 1000 / seconds
+        for s, b, a in zip(systems, before, after, strict=True)
+        for n in a
     }
 
 
@@ -358,34 +380,49 @@ def main() -> None:
         help="after the rounds, vLLM's own `vllm bench serve` (N random prompts, chat and "
         "completions) against both systems (bench/vllm_bench_serve.py)",
     )
+    parser.add_argument(
+        "--lastevent",
+        choices=("both", "split", "node"),
+        default="both",
+        help="which lastevent deployment(s) to measure beside vLLM's server: the split one "
+        "(API + worker processes), the node (one process), or both (default)",
+    )
     args = parser.parse_args()
     if args.profile:
         py_spy()  # before the rounds, not after them
     logs = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
-    own = OwnRedis(
-        logs / "redis", appendfsync="always" if args.durability == "disk" else "everysec"
-    )
-    rounds: Rounds = {c: {"vLLM": [], "lastevent": []} for c in args.concurrency}
-    own.start()
+    kinds = {"both": (False, True), "split": (False,), "node": (True,)}[args.lastevent]
+    fsync = "always" if args.durability == "disk" else "everysec"
+    redises = [OwnRedis(logs / f"redis-{i}", appendfsync=fsync) for i in range(len(kinds))]
     try:
-        with (
-            vllm_server(args.model_dir, logs / "vllm-server.log") as vllm,
-            lastevent_stack(args.model_dir, own.url, logs, args.durability) as lastevent,
-        ):
-            rest = at_rest((vllm, lastevent), args.idle_seconds)
-            interleaved(vllm, lastevent, args, rounds)
+        with contextlib.ExitStack() as up:
+            vllm = up.enter_context(vllm_server(args.model_dir, logs / "vllm-server.log"))
+            systems = [vllm]
+            for node, own in zip(kinds, redises, strict=True):
+                own.start()
+                where = logs / ("node" if node else "split")
+                where.mkdir()
+                systems.append(
+                    up.enter_context(
+                        lastevent_stack(args.model_dir, own.url, where, args.durability, node=node)
+                    )
+                )
+            rounds: Rounds = {c: {s.name: [] for s in systems} for c in args.concurrency}
+            rest = at_rest(tuple(systems), args.idle_seconds)
+            interleaved(systems, args, rounds)
             if args.profile:
-                for system in (vllm, lastevent):
+                for system in systems:
                     profiled(system, args, logs / "profile")
             if args.vllm_bench:
-                vllm_bench_table((vllm, lastevent), args, logs / "vllm-bench")
+                vllm_bench_table(tuple(systems), args, logs / "vllm-bench")
     finally:
-        own.stop()
+        for own in redises:
+            own.stop()
     print()
     print(latency_table(rounds))
     print("\nCPU ms per 1,000 delivered tokens (medians of the rounds):\n")
     print(cpu_table(rounds))
-    print(f"\nCPU at rest, both systems up and idle for {args.idle_seconds:g} s (ms per second):")
+    print(f"\nCPU at rest, every system up and idle for {args.idle_seconds:g} s (ms per second):")
     print("  " + ", ".join(f"{name} {ms:.1f}" for name, ms in rest.items()))
     print(
         f"\n{args.rounds} rounds, {args.per_client} requests per client, max_tokens "
