@@ -47,6 +47,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+# how often the connections are polled while no worker but a node's own is known (within
+# the judge's 1 s of one continuous view)
+QUIET_POLL_S = 0.5
+
+
 class Sweeper:
     def __init__(
         self,
@@ -63,8 +68,12 @@ class Sweeper:
         connections: Observer | None = None,
         connection_grace_s: float = 0.2,
         connection_poll_s: float = 0.1,
+        own_worker: str = "",
     ) -> None:
+        """``own_worker``: a node's own worker (``lastevent node``): it dies with this
+        process, so while no other worker is known the connections are polled less often."""
         self.log = log_
+        self.own_worker = own_worker
         self.queue = queue
         self.heartbeats = heartbeats
         self.sweeper_id = sweeper_id
@@ -109,7 +118,12 @@ class Sweeper:
         gone: dict[str, float] = {}
         failures = 0  # in a row: logged once, and polled less often meanwhile
         while True:
-            await asyncio.sleep(min(5.0, self.connection_poll_s * 2**failures))
+            # nobody else to watch (no worker, or only a node's own): a new worker is
+            # learnt within QUIET_POLL_S, not 0.1 s (one that dies before is left to its
+            # heartbeat, as one that dies before its first poll always was)
+            quiet = not gone and all(w == self.own_worker for w in asked)
+            pause = max(self.connection_poll_s, QUIET_POLL_S) if quiet else self.connection_poll_s
+            await asyncio.sleep(min(5.0, pause * 2**failures))
             try:
                 known, connected = await self.connections.poll(asked)
             except Exception as exc:  # noqa: BLE001 - the view is broken: start again
@@ -301,4 +315,5 @@ def sweeper_of(settings: Settings, redis: Redis, ctx: Context) -> Sweeper:
         connections=Observer(redis, keys) if settings.worker_connection_grace_s >= 0 else None,
         connection_grace_s=settings.worker_connection_grace_s,
         connection_poll_s=settings.worker_connection_poll_s,
+        own_worker=settings.worker_id,
     )
