@@ -68,6 +68,7 @@ class Subscription:
         self.local = False  # fed by the node's worker (``local.py``), not a shard
         self.held: Batch | None = None  # fed while its read back is on its way
         self.ended = False  # its log's end was handed over
+        self.attached = 0  # times put on the feed: a read back serves its own attachment
 
     async def batches(self) -> AsyncIterator[Batch]:
         while True:
@@ -316,16 +317,23 @@ class LogTailer:
         assert self._feed is not None
         sub.local = True
         sub.held = []
+        sub.attached += 1
         self._feed.attach(sub)
-        task = asyncio.get_running_loop().create_task(self._read_back(sub), name="read-back")
+        task = asyncio.get_running_loop().create_task(
+            self._read_back(sub, sub.attached), name="read-back"
+        )
         self._reads_back.add(task)
         task.add_done_callback(self._reads_back.discard)
 
-    async def _read_back(self, sub: Subscription) -> None:
+    async def _read_back(self, sub: Subscription, attachment: int) -> None:
         key = self._keys.log(sub.request_id)
         partition = self._keys.partition(sub.request_id)
+
+        def current() -> bool:  # (let go meanwhile, maybe put on the feed again since)
+            return sub.local and sub.attached == attachment
+
         try:
-            while sub.local:
+            while current():
                 mark = self._committer.mark(partition, self._reader)
                 reply = await self._reader.xread({key: str(sub.position)}, count=self._count)
                 await self._committer.confirm(partition, mark, self._reader)
@@ -340,11 +348,12 @@ class LogTailer:
                     break
         except Exception as exc:  # noqa: BLE001 - a shard reads it, retrying
             survived("a node reader's read back", exc)
-            if sub.local:
+            if current():
                 assert self._feed is not None
                 self._feed.detach(sub)
                 self.to_redis({sub})
-                return
-        held, sub.held = sub.held, None
-        if held:
-            sub.offer(held)
+            return
+        if current():
+            held, sub.held = sub.held, None
+            if held:
+                sub.offer(held)

@@ -532,9 +532,11 @@ def outage_stack(
     appendfsync: str | None,
     apis: int = 1,
     workers: int = 1,
+    nodes: int = 0,
     **settings: object,
 ) -> Iterator[tuple[Stack, ChaosRedis]]:
-    """A ChaosRedis and a stack on it: ``workers`` workers, ``apis`` API processes."""
+    """A ChaosRedis and a stack on it: ``workers`` workers, ``apis`` API processes,
+    ``nodes`` nodes (``lastevent node``: an API and a worker in one process)."""
     server = ChaosRedis(tmp / "redis", appendfsync=appendfsync)
     server.start()
     # readers get what is fsynced (``make run``'s level) where every write is; under
@@ -551,6 +553,8 @@ def outage_stack(
             stack.start_worker(f"worker-{i + 1}")
         for _ in range(apis):
             stack.start_api()
+        for i in range(nodes):
+            stack.start_node(f"node-{i + 1}")
         yield stack, server
     finally:
         stack.stop()

@@ -240,15 +240,18 @@ def _killed(
     *,
     lost_ok: bool,
     tokens_before_fault: int = 30,
+    nodes: int = 0,
 ) -> None:
+    """``nodes``: that many nodes instead of two API processes and two workers."""
     with scenario(
         tmp_path,
         database_url,
         model_dir,
         fault,
         appendfsync=appendfsync,
-        apis=2,
-        workers=2,
+        apis=0 if nodes else 2,
+        workers=0 if nodes else 2,
+        nodes=nodes,
         early=16,
         tokens_before_fault=tokens_before_fault,
     ) as run:
@@ -329,6 +332,16 @@ def test_redis_killed_mid_stream_aof_always(
 ) -> None:
     """The same with ``appendfsync always``: nothing is lost, every request finishes whole."""
     _killed(tmp_path, database_url, model_dir, kill_and_restart, "always", lost_ok=False)
+
+
+def test_redis_killed_mid_stream_under_two_nodes_aof_always(
+    tmp_path: Path, database_url: str, model_dir: Path
+) -> None:
+    """The same in front of two nodes (``lastevent node``): the clients spread over both,
+    each request run by either, so a reader is fed from its node's memory or follows the
+    log in Redis. Redis killed mid-stream and back on its AOF: the nodes ride through as
+    the split deployment does -- nothing lost, every request whole, billing reconciles."""
+    _killed(tmp_path, database_url, model_dir, kill_and_restart, "always", lost_ok=False, nodes=2)
 
 
 def whole(run: Run, database_url: str) -> list[str]:
