@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
 import logging
 import signal
@@ -69,3 +70,13 @@ async def teardown(
     except TimeoutError:
         log.warning("shutdown: %s did not finish within %g s", pending[0][0], limit_s)
         dump_tasks()
+
+
+def freeze_heap() -> None:
+    """Once a process has started (its models, tokenizers, engine and clients loaded):
+    collect, then move every object left to the permanent generation, so that the
+    collector's full passes no longer walk the startup heap -- a pause every reader of
+    the process waits out (vLLM's API server does the same at its start)."""
+    gc.collect()
+    gc.freeze()
+

@@ -169,6 +169,7 @@ async def serve(
         aio.dump_tasks_on_sigusr1()
     else:
         held_by(runner)
+    aio.freeze_heap()
     log.info("worker %s ready (engine %s)", settings.worker_id, engine.name)
     recording = asyncio.create_task(recorder.run()) if recorder else None
     try:

@@ -349,6 +349,7 @@ def create_app(
         async with serving(settings, models, drain, feed) as ctx:
             aio.dump_tasks_on_sigusr1()  # a hung API: where its tasks wait
             app.state.ctx = ctx
+            aio.freeze_heap()
             yield
 
     async def provide_principal(request: Request[Any, Any, Any]) -> Principal:

@@ -24,6 +24,8 @@ from service.settings import MODEL_NAME, Settings
 from service.store.pool import seeds
 from tests.conftest import CLUSTER
 
+NODE = os.environ.get("LASTEVENT_TEST_NODE") == "1"
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -179,11 +181,17 @@ def running(
     apis: int = 1,
     **settings: object,
 ) -> Iterator[Stack]:
-    """A stack with one worker and ``apis`` API processes, stopped on exit."""
+    """A stack with one worker and ``apis`` API processes, stopped on exit. Under
+    ``LASTEVENT_TEST_NODE=1`` (``make test-node``) the worker and the first API process
+    are one node (``lastevent node``, its log ``worker.log``): the e2e core run against it,
+    with the other API processes as the replicas that read the log in Redis."""
     st = make_stack(tmp, redis_url, database_url, model_dir, **settings)
     try:
-        st.start_worker()
-        for _ in range(apis):
+        if NODE:
+            st.start_node("worker")
+        else:
+            st.start_worker()
+        for _ in range(apis - 1 if NODE else apis):
             st.start_api()
         yield st
     finally:
