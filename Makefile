@@ -41,6 +41,14 @@ CLUSTER_TESTS := tests/e2e/test_stream.py tests/e2e/test_cancel.py tests/e2e/tes
 test-cluster: $(STAMP)  ## the e2e core (stream, resume, cancel, presence, admission, billing, replay, models) on a local Redis Cluster
 	LASTEVENT_TEST_REDIS_CLUSTER=1 $(BIN)/python -m pytest -m "not vllm and not chaos and not clients" -n 2 --dist loadfile $(PYTEST_ARGS) $(CLUSTER_TESTS)
 
+NODE_TESTS := tests/e2e/test_stream.py tests/e2e/test_cancel.py tests/e2e/test_billing.py \
+  tests/e2e/test_openai_sdk.py tests/e2e/test_responses.py tests/e2e/test_park.py \
+  tests/e2e/test_slow_clients.py tests/e2e/test_framing.py tests/e2e/test_continuity.py \
+  tests/e2e/test_responses_ws.py
+
+test-node: $(STAMP)  ## the e2e core with a node (`lastevent node`) as the worker and first API process
+	LASTEVENT_TEST_NODE=1 $(BIN)/python -m pytest -m "not vllm and not chaos and not clients" -n 2 --dist loadfile $(PYTEST_ARGS) $(NODE_TESTS)
+
 test-chaos: $(STAMP)  ## the chaos tier: Redis killed, crashed, restarted, paused for real (own servers)
 	@if ! command -v cc >/dev/null; then \
 	  echo "installing Debian's gcc (the host-crash simulation compiles tests/native/fsync_log.c)"; \
@@ -149,4 +157,4 @@ lint: $(STAMP)  ## the static gates CI runs first: ruff, ruff format, mypy stric
 clean:  ## remove the virtualenv and caches (not the data dir)
 	rm -rf $(VENV) $(VLLM_VENV) $(GUIDELLM_VENV) .pytest_cache .hypothesis .cache
 
-.PHONY: help install run test test-cluster test-chaos soak test-clients test-vllm bench bench-durability bench-cluster bench-takeover bench-park bench-ledger bench-cpu bench-vllm bench-upstream serve-vllm bench-guidellm test-fast lint clean
+.PHONY: help install run test test-cluster test-node test-chaos soak test-clients test-vllm bench bench-durability bench-cluster bench-takeover bench-park bench-ledger bench-cpu bench-vllm bench-upstream serve-vllm bench-guidellm test-fast lint clean

@@ -15,7 +15,7 @@ from httpx_sse import EventSource
 
 from service.store.keys import EVENT_FIELD, Keys
 from service.stream import events as ev
-from tests.e2e.conftest import Stack, running
+from tests.e2e.conftest import NODE, Stack, running
 from tests.e2e.helpers import LONG, chat_body, content_of
 
 
@@ -33,6 +33,12 @@ def stack(
         yield st
 
 
+@pytest.mark.skipif(
+    NODE,
+    reason="a node's reader is fed its worker's own appends; an entry written into the log "
+    "behind the append script (this raw XADD) reaches only readers that read Redis (DESIGN "
+    "amendment 41)",
+)
 def test_a_spliced_log_ends_the_stream_in_band(stack: Stack) -> None:
     keys = Keys(stack.settings.key_prefix, stack.settings.partitions)
     spliced = ev.Delta(text="SPLICED", token_ids=[5], n=999)  # not where the answer was
