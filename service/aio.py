@@ -79,4 +79,3 @@ def freeze_heap() -> None:
     the process waits out (vLLM's API server does the same at its start)."""
     gc.collect()
     gc.freeze()
-

@@ -23,8 +23,6 @@ from service.store.local import LocalFeed
 from workers.__main__ import serve as serve_worker
 from workers.runner import Runner
 
-log = logging.getLogger("lastevent.node")
-
 
 def node(settings: Settings) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # (a line per upstream call)

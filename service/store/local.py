@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from service.store.commit import Committer
@@ -125,10 +124,6 @@ class LocalFeed:
             subs.discard(sub)
             if not subs:
                 del self._subs[sub.request_id]
-
-    def subscriptions(self) -> Iterator[Subscription]:
-        for subs in self._subs.values():
-            yield from subs
 
     def followed(self) -> dict[str, set[Subscription]]:
         """Request id -> its readers fed from here."""
