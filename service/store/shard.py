@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 from service.store import replies, scripts
 from service.store.commit import Committer
 from service.store.keys import LOG_FIELD, Keys
+from service.store.mailbox import Batch
 from service.store.pool import STORE_ERRORS, survived
 from service.stream import events as ev
 from service.stream.ids import EventId
@@ -252,10 +253,7 @@ class Shard:
         if not subs:
             return
         start = EventId.from_redis(read_from)
-        batch = [
-            (EventId.from_redis(eid), ev.decode(replies.event_payload(fields)))
-            for eid, fields in entries
-        ]
+        batch = decoded(entries)
         if batch and isinstance(batch[-1][1], ev.End):
             self._ended.add(key)
         for sub in list(subs):
@@ -264,6 +262,14 @@ class Shard:
             if sub.position >= start:
                 sub.offer(batch)
         self._reposition(key)
+
+
+def decoded(entries: list[list[Any]]) -> Batch:
+    """A log's entries as Redis sent them (``[[id, [field, value, ...]], ...]``): a batch."""
+    return [
+        (EventId.from_redis(eid), ev.decode(replies.event_payload(fields)))
+        for eid, fields in entries
+    ]
 
 
 class Stuck(Exception):

@@ -30,7 +30,7 @@ from service.store.keys import Keys
 from service.store.local import LocalFeed
 from service.store.mailbox import IDLE, Batch, Interrupted, LogLost, Mailbox
 from service.store.pool import STORE_ERRORS, is_cluster, survived
-from service.store.shard import Shard
+from service.store.shard import Shard, decoded
 from service.stream import events as ev
 from service.stream.ids import EventId
 
@@ -338,12 +338,7 @@ class LogTailer:
                 reply = await self._reader.xread({key: str(sub.position)}, count=self._count)
                 await self._committer.confirm(partition, mark, self._reader)
                 entries = next((e for _k, e in replies.streams_of(reply)), [])
-                sub.offer(
-                    [
-                        (EventId.from_redis(eid), ev.decode(replies.event_payload(fields)))
-                        for eid, fields in entries
-                    ]
-                )
+                sub.offer(decoded(entries))
                 if len(entries) < self._count:
                     break
         except Exception as exc:  # noqa: BLE001 - a shard reads it, retrying

@@ -50,6 +50,13 @@ class EngineError(Exception):
         self.code = code
 
 
+def refuse_images(engine: str, images: Sequence[bytes]) -> None:
+    """What an engine that takes no images does with some (the API refuses images for the
+    models of a worker that does not see, so only a request made around it has them)."""
+    if images:
+        raise EngineError(f"the {engine} engine takes no images", "invalid_request")
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepOutput:
     token_ids: list[int]  # new ids of this step (may be empty on the last step)

@@ -34,7 +34,7 @@ from typing import Any
 
 from service.stream.lifecycle import EngineFinish
 from service.stream.params import SamplingParams
-from workers.engines.base import EngineError, StepOutput
+from workers.engines.base import EngineError, StepOutput, refuse_images
 from workers.engines.cpu_batch import Scheduler, Seq
 from workers.engines.cpu_sampling import Sampler
 from workers.engines.grammar import TIMEOUT_S, Grammars
@@ -163,8 +163,7 @@ class CpuEngine:
         images: Sequence[bytes] = (),
     ) -> AsyncGenerator[StepOutput, None]:
         """Yield one ``StepOutput`` per generated token; the last one has ``finished``."""
-        if images:  # (the API refuses images for a model whose worker does not see)
-            raise EngineError(f"the {self.name} engine takes no images", "invalid_request")
+        refuse_images(self.name, images)
         scheduler = self._scheduler
         if adapter is not None:  # (the worker refuses adapters at its start)
             raise EngineError("the cpu engine serves no adapters", "model_not_found")

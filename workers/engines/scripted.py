@@ -33,7 +33,7 @@ from service.stream.lifecycle import EngineFinish
 from service.stream.logprobs import Sampled
 from service.stream.params import SamplingParams
 from service.tokenize import ModelInfo
-from workers.engines.base import EngineError, StepOutput
+from workers.engines.base import EngineError, StepOutput, refuse_images
 
 _USER_OPEN = "<|im_start|>user\n"
 _TURN_CLOSE = "<|im_end|>"
@@ -100,8 +100,7 @@ class ScriptedEngine:
         conversation: bytes = b"",
         images: Sequence[bytes] = (),
     ) -> AsyncGenerator[StepOutput, None]:
-        if images:  # (the API refuses images for a model whose worker does not see)
-            raise EngineError(f"the {self.name} engine takes no images", "invalid_request")
+        refuse_images(self.name, images)
         script = self.script_for(prompt_token_ids)
         if adapter is not None:
             if adapter not in self._adapters:

@@ -39,7 +39,7 @@ from httpx_sse import EventSource
 from service.stream.lifecycle import EngineFinish
 from service.stream.params import SamplingParams
 from workers.engines import upstream_wire as wire
-from workers.engines.base import EngineError, StepOutput
+from workers.engines.base import EngineError, StepOutput, refuse_images
 
 log = logging.getLogger(__name__)
 
@@ -167,8 +167,7 @@ class UpstreamEngine:
         conversation: bytes = b"",
         images: Sequence[bytes] = (),
     ) -> AsyncGenerator[StepOutput, None]:
-        if images:  # (the API refuses images for a model whose worker does not see)
-            raise EngineError(f"the {self.name} engine takes no images", "invalid_request")
+        refuse_images(self.name, images)
         if self._client is None:
             raise EngineError("the upstream engine is not started", "engine_not_ready")
         if not wire.continuable(params, generated):
