@@ -10,21 +10,20 @@ import signal
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
+from service.settings import EventLoop
+
 T = TypeVar("T")
 log = logging.getLogger("lastevent.tasks")
 
 
-def run(main: Coroutine[Any, Any, T], event_loop: str) -> T:
+def run(main: Coroutine[Any, Any, T], event_loop: EventLoop) -> T:
     """``asyncio.run`` on uvloop (libuv's loop, in C: less CPU per socket read and timer
     than asyncio's own) or on asyncio's loop."""
-    if event_loop == "uvloop":
+    if event_loop is EventLoop.UVLOOP:
         import uvloop
 
         return uvloop.run(main)
-    if event_loop == "asyncio":
-        return asyncio.run(main)
-    main.close()
-    raise ValueError(f"LASTEVENT_EVENT_LOOP={event_loop!r}: uvloop or asyncio")
+    return asyncio.run(main)
 
 
 def where(task: asyncio.Task[Any]) -> str:

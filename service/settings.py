@@ -7,6 +7,8 @@ is called by the CLI (or a test) and the result is handed to the app and the wor
 from __future__ import annotations
 
 import dataclasses
+import enum
+import math
 import os
 import socket
 import uuid
@@ -18,6 +20,55 @@ import platformdirs
 
 PREFIX = "LASTEVENT_"
 MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class SettingsError(ValueError):
+    """A ``LASTEVENT_*`` variable's value that cannot be used: one line naming it."""
+
+
+# the settings that are choices: each value is one member's (``LASTEVENT_X=value``)
+class Durability(enum.StrEnum):  # what a reader may be sent (service/store/commit.py)
+    MEMORY = "memory"  # whatever Redis answered
+    DISK = "disk"  # fsynced in the primary's AOF
+    REPLICA = "replica"  # a replica has it too
+
+
+class SseFraming(enum.StrEnum):  # service/stream/sse.py
+    RESUMABLE = "resumable"  # id: and retry: lines
+    OPENAI = "openai"  # data: lines only, event_id in each chunk's JSON
+
+
+class Http(enum.StrEnum):
+    HTTPTOOLS = "httptools"  # C
+    H11 = "h11"  # pure Python
+
+
+class EventLoop(enum.StrEnum):
+    UVLOOP = "uvloop"  # libuv
+    ASYNCIO = "asyncio"
+
+
+class Auth(enum.StrEnum):
+    REQUIRED = "required"
+    OFF = "off"  # requests without a key act as tenant "default"
+
+
+class ToolParser(enum.StrEnum):
+    AUTO = "auto"  # from the model's chat template
+    HERMES = "hermes"
+    LLAMA3_JSON = "llama3_json"
+
+
+class Engine(enum.StrEnum):
+    CPU = "cpu"
+    SCRIPTED = "scripted"
+    VLLM = "vllm"
+    UPSTREAM = "upstream"
+
+
+class UpstreamMode(enum.StrEnum):
+    TOKENS = "tokens"  # vLLM's server: exact
+    TEXT = "text"  # any OpenAI-compatible server
 
 
 def default_data_dir() -> Path:
@@ -63,15 +114,14 @@ class Settings:
     image_fetch_timeout_s: float = 10.0
     drain_s: float = 10.0  # on SIGTERM: streams are told to reconnect; exit within this
     reconnect_hint_ms: int = 1000  # the SSE `retry:` sent to streams when draining
-    # streams' framing unless a request asks (X-SSE-Framing / ?sse_framing=): "resumable"
-    # (id: and retry: lines) or "openai" (data: lines only, event_id in each chunk's JSON)
-    sse_framing: str = "resumable"
+    # streams' framing unless a request asks (X-SSE-Framing / ?sse_framing=)
+    sse_framing: SseFraming = SseFraming.RESUMABLE
     send_timeout_s: float = 30.0  # a client that accepts no bytes this long is cut off
     request_read_timeout_s: float = 10.0  # the whole request (head + body) must arrive in this
-    http: str = "httptools"  # the HTTP/1.1 implementation: httptools (C) | h11 (pure Python)
-    event_loop: str = "uvloop"  # every process's asyncio loop: uvloop (libuv) | asyncio
+    http: Http = Http.HTTPTOOLS  # the HTTP/1.1 implementation
+    event_loop: EventLoop = EventLoop.UVLOOP  # every process's asyncio loop
     operator_token: str | None = None  # break-glass Bearer token for /v1/admin (None: off)
-    auth: str = "required"  # required | off (off: requests without a key act as "default")
+    auth: Auth = Auth.REQUIRED
     auth_cache_s: float = 30.0  # verified keys are cached this long (revocation delay)
     cors_origins: str = ""  # comma-separated origins allowed cross-origin ("*": any)
     stream_token_secret: str | None = None  # None: one made at random, shared via Redis
@@ -113,9 +163,8 @@ class Settings:
     worker_connection_poll_s: float = 0.1  # how often each API process looks (one call)
 
     # event log
-    # what a reader may be sent (service/store/commit.py): memory (whatever Redis
-    # answered) | disk (fsynced in the primary's AOF) | replica (a replica has it too)
-    durability: str = "disk"
+    # what a reader may be sent (service/store/commit.py)
+    durability: Durability = Durability.DISK
     commit_timeout_ms: int = 1000  # a commit barrier not confirmed in this long: 503 / retry
     # at replica, a primary without a replica when a process starts: asked again this long
     # (a failover under way) before the process refuses to start
@@ -136,8 +185,8 @@ class Settings:
     # no reader this long (and a window longer than it): the request leaves the engine,
     # parked, and goes on when a reader comes back (-1: never park)
     park_after_s: float = 1.5
-    # how the model writes tool calls: auto (from its chat template) | hermes | llama3_json
-    tool_parser: str = "auto"
+    # how the model writes tool calls
+    tool_parser: ToolParser = ToolParser.AUTO
     max_resume_grace_s: float = 3600.0  # the largest per-request grace a client may ask for
     lease_ttl_s: float = 10.0  # a reader's lease lapses this long after its last refresh
     lease_refresh_s: float = 3.0  # how often an API process refreshes its readers' leases
@@ -145,7 +194,7 @@ class Settings:
     cancel_wait_s: float = 5.0  # POST .../cancel waits this long for the terminal event
 
     # worker
-    engine: str = "cpu"  # cpu | scripted | vllm | upstream
+    engine: Engine = Engine.CPU
     worker_id: str = dataclasses.field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     )
@@ -181,7 +230,7 @@ class Settings:
     upstream_url: str = ""  # its base URL, ending in /v1 (several, comma-separated: replicas)
     upstream_api_key: str | None = None
     upstream_model: str | None = None  # the name it serves (None: LASTEVENT_MODEL_NAME)
-    upstream_mode: str = "tokens"  # tokens (vLLM's server: exact) | text (any server)
+    upstream_mode: UpstreamMode = UpstreamMode.TOKENS
     upstream_idle_timeout_s: float = 30.0  # its stream, once it spoke, silent this long: hung
     upstream_first_token_timeout_s: float = 600.0  # ... or silent from the start this long
     upstream_retry_s: float = 30.0  # a request tries a failing upstream again this long
@@ -203,6 +252,16 @@ class Settings:
     scripted_crash_after: int | None = None  # raise a non-engine error (a bug) after this many
     scripted_stall_after: int | None = None  # stop producing after this many tokens
     scripted_prefill_s: float = 0.0  # a prefill this long before the first token
+
+    def __post_init__(self) -> None:
+        """Each choice made its enum, each number checked: components trust what they get."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            choice = CHOICES.get(str(field.type))
+            if choice is not None:
+                object.__setattr__(self, field.name, _choice(choice, field.name, value))
+            elif value is not None and not isinstance(value, bool | str | Path):
+                _check_bounds(field.name, value)
 
     @property
     def resume_window(self) -> float:
@@ -262,6 +321,67 @@ EMPTY_MEANS_NONE = frozenset({"dev_api_key", "dev_operator_key"})
 ALIASES = {"RESUME_GRACE_S": "RESUME_WINDOW_S", "MODEL": "MODEL_NAME"}
 
 
+CHOICES: dict[str, type[enum.StrEnum]] = {
+    e.__name__: e
+    for e in (Durability, SseFraming, Http, EventLoop, Auth, ToolParser, Engine, UpstreamMode)
+}
+
+
+def _names(*lines: str) -> frozenset[str]:
+    return frozenset(" ".join(lines).split())
+
+
+# each number's least value: above zero, zero, or one (a count); the rest take a negative
+# value as a choice (off). A range is checked beside.
+ABOVE_ZERO = _names(
+    "redis_silent_s max_body_bytes image_max_bytes image_max_pixels image_fetch_timeout_s",
+    "send_timeout_s request_read_timeout_s stream_token_ttl_s idempotency_ttl_s",
+    "worker_stale_s sweep_interval_s worker_heartbeat_s worker_connection_poll_s",
+    "commit_timeout_ms hot_log_ttl_s unstored_ttl_s tail_block_ms keepalive_s lease_ttl_s",
+    "lease_refresh_s presence_check_s grammar_compile_timeout_s request_deadline_s",
+    "vllm_kv_cache_gb upstream_idle_timeout_s upstream_first_token_timeout_s",
+    "recorder_claim_idle_ms outbox_retention_s vllm_gpu_memory_utilization",
+)
+AT_LEAST_ZERO = _names(
+    "max_images drain_s reconnect_hint_ms auth_cache_s auth_failures_per_minute",
+    "max_readers_per_request max_readers_per_key rate_limit_rpm max_concurrent_per_key",
+    "max_queue_wait_s startup_replica_wait_s coalesce_backlog resume_window_s",
+    "max_resume_grace_s cancel_wait_s worker_drain_s max_takeovers takeover_wait_s",
+    "flush_interval_ms upstream_retry_s archive_retention_days scripted_tokens_per_s",
+    "scripted_fail_after scripted_crash_after scripted_stall_after scripted_prefill_s",
+)
+AT_LEAST_ONE = _names(
+    "partitions default_max_tokens max_model_len max_streams tail_count tail_shard_size",
+    "worker_concurrency cpu_max_batch cpu_prefill_chunk vllm_max_model_len",
+    "vllm_tensor_parallel_size",
+)
+PORT = (0.0, 65535.0)
+RANGES = {"port": PORT, "metrics_port": PORT, "vllm_gpu_memory_utilization": (0.0, 1.0)}
+
+
+def _choice(choice: type[enum.StrEnum], name: str, value: object) -> enum.StrEnum:
+    try:
+        return choice(str(value))
+    except ValueError:
+        allowed = ", ".join(member.value for member in choice)
+        raise SettingsError(f"{PREFIX}{name.upper()}={value!r}: one of {allowed}") from None
+
+
+def _check_bounds(name: str, value: float) -> None:
+    what = f"{PREFIX}{name.upper()}={value!r}"
+    if math.isnan(value):
+        raise SettingsError(f"{what}: not a number")
+    if name in ABOVE_ZERO and not value > 0:
+        raise SettingsError(f"{what}: must be more than 0")
+    if name in AT_LEAST_ZERO and not value >= 0:
+        raise SettingsError(f"{what}: must be 0 or more")
+    if name in AT_LEAST_ONE and not value >= 1:
+        raise SettingsError(f"{what}: must be 1 or more")
+    low, high = RANGES.get(name, (-math.inf, math.inf))
+    if not low <= value <= high:
+        raise SettingsError(f"{what}: must be from {low:g} to {high:g}")
+
+
 def _convert(type_name: Any, raw: str, name: str) -> Any:
     t = str(type_name)
     try:
@@ -276,5 +396,5 @@ def _convert(type_name: Any, raw: str, name: str) -> Any:
         if "int |" in t:
             return int(raw)
     except ValueError as exc:
-        raise ValueError(f"{PREFIX}{name.upper()}={raw!r}: {exc}") from None
+        raise SettingsError(f"{PREFIX}{name.upper()}={raw!r}: {exc}") from None
     return raw

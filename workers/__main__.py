@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 
 from service import aio
 from service.ledger.ledger import Ledger, make_engine
-from service.settings import Settings
+from service.settings import Settings, UpstreamMode
 from service.store import commit, pool
 from service.store.commit import Committer
 from service.store.keys import Keys
@@ -82,19 +82,13 @@ def build_engine(settings: Settings, model: ModelInfo) -> Engine:
                 adapters=tuple(adapters.items()),
             )
         )
-    if settings.engine == "upstream":
-        return _upstream(settings, model, adapters)
-    raise SystemExit(
-        f"unknown engine {settings.engine!r} (LASTEVENT_ENGINE: cpu | scripted | vllm | upstream)"
-    )
+    return _upstream(settings, model, adapters)  # (Engine.UPSTREAM: Settings checked it)
 
 
 def _upstream(settings: Settings, model: ModelInfo, adapters: dict[str, str]) -> Engine:
     from workers.engines.upstream import UpstreamConfig, UpstreamEngine
     from workers.engines.upstream_text import TextUpstreamEngine
 
-    if settings.upstream_mode not in ("tokens", "text"):
-        raise SystemExit(f"LASTEVENT_UPSTREAM_MODE is {settings.upstream_mode!r}: tokens | text")
     try:
         urls = UpstreamConfig.parse_urls(settings.upstream_url)
     except ValueError as exc:
@@ -114,7 +108,9 @@ def _upstream(settings: Settings, model: ModelInfo, adapters: dict[str, str]) ->
             "models of their own: one worker each (LASTEVENT_UPSTREAM_MODEL)"
         )
     return (
-        TextUpstreamEngine(config) if settings.upstream_mode == "text" else UpstreamEngine(config)
+        TextUpstreamEngine(config)
+        if settings.upstream_mode is UpstreamMode.TEXT
+        else UpstreamEngine(config)
     )
 
 

@@ -57,7 +57,6 @@ from service.store.pool import UNREACHABLE, warm
 from service.store.presence import Presence
 from service.store.shared import IdempotencyKeys
 from service.store.tail import LogTailer
-from service.stream import sse
 from service.tokenize import ModelInfo
 
 log = logging.getLogger("lastevent.api")
@@ -337,8 +336,6 @@ def create_app(
 ) -> Litestar:
     models = {name: ModelInfo.load(path, name) for name, path in settings.model_dirs.items()}
     drain = drain or Drain()
-    if settings.sse_framing not in sse.FRAMINGS:
-        raise ValueError(f"LASTEVENT_SSE_FRAMING={settings.sse_framing!r}: resumable or openai")
     if settings.auth == "required" and not settings.database_url:
         raise RuntimeError(
             "API keys live in Postgres: set LASTEVENT_DATABASE_URL or LASTEVENT_AUTH=off"

@@ -25,12 +25,12 @@ from service.api.schemas import (
     refused_field,
 )
 from service.errors import InvalidRequest
+from service.settings import ToolParser
 from service.stream.params import SamplingParams, Structured, unsupported
 from service.stream.tool_prompts import detect_format, forced_schema, tool_system_prompt
 from service.stream.tools import ToolFormat
 from service.tokenize import ModelInfo
 
-TOOL_PARSERS = ("hermes", "llama3_json")
 MAX_STOP_STRINGS = 4
 MAX_STOP_LEN = 64
 
@@ -178,7 +178,7 @@ def offered_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     return [msgspec.to_builtins(t) for t in body.tools]
 
 
-def chat_output(body: ChatCompletionRequest, model: ModelInfo, parser: str) -> Output:
+def chat_output(body: ChatCompletionRequest, model: ModelInfo, parser: ToolParser) -> Output:
     """``parser``: the setting (auto: the model's family, from its chat template)."""
     logprobs = None
     if body.top_logprobs is not None and not body.logprobs:
@@ -253,12 +253,10 @@ def response_structured(body: ChatCompletionRequest) -> Structured | None:
     return Structured(kind="json_schema", schema=schema)
 
 
-def _parser(setting: str, model: ModelInfo) -> str:
-    if setting == "auto":
+def _parser(setting: ToolParser, model: ModelInfo) -> str:
+    if setting is ToolParser.AUTO:
         return detect_format(model.chat_template)
-    if setting not in TOOL_PARSERS:
-        raise ValueError(f"LASTEVENT_TOOL_PARSER is {setting!r}; one of auto, {TOOL_PARSERS}")
-    return setting
+    return setting.value
 
 
 def _as_text(

@@ -31,7 +31,7 @@ from service.api.app import create_app
 from service.api.asgi import SendTimeoutMiddleware
 from service.api.context import Drain
 from service.api.gate import Gate, Hosts
-from service.settings import Settings
+from service.settings import Http, Settings
 from service.store.local import LocalFeed
 
 
@@ -90,11 +90,9 @@ MAX_HEAD_BYTES = 64 * 1024  # a request's line and headers
 
 def protocol(settings: Settings) -> type[asyncio.Protocol]:
     """The HTTP/1.1 implementation ``LASTEVENT_HTTP`` names, guarded."""
-    if settings.http == "h11":
+    if settings.http is Http.H11:
         return guarded_h11(settings.request_read_timeout_s)
-    if settings.http == "httptools":
-        return guarded_httptools(settings.request_read_timeout_s, MAX_HEAD_BYTES)
-    raise ValueError(f"LASTEVENT_HTTP={settings.http!r}: httptools or h11")
+    return guarded_httptools(settings.request_read_timeout_s, MAX_HEAD_BYTES)
 
 
 class RedactTokens(logging.Filter):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from service.settings import Settings
+from service.settings import Settings, SettingsError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -87,7 +87,10 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
-    settings = Settings.from_env()
+    try:
+        settings = Settings.from_env()
+    except SettingsError as exc:  # one line naming the variable, not a traceback
+        raise SystemExit(f"lastevent: {exc}") from None
     from service.cli import commands
 
     if args.cmd == "up":

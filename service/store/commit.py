@@ -29,7 +29,6 @@ API answers 503).
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
 from typing import Any
@@ -39,18 +38,13 @@ from redis.asyncio.cluster import PipelineCommand, RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError, SlotNotCoveredError
 
+from service.settings import Durability as Durability  # (its home: settings)
 from service.settings import Settings
 from service.store import replies
 from service.store.keys import Keys
 from service.store.pool import STORE_ERRORS, refresh_map, relearn
 
 log = logging.getLogger(__name__)
-
-
-class Durability(enum.StrEnum):
-    MEMORY = "memory"
-    DISK = "disk"
-    REPLICA = "replica"
 
 
 BARRIER_MARGIN_S = 5.0  # a barrier not answered this long past its WAIT is given up
@@ -70,18 +64,9 @@ class NoReplica(Misconfigured):
     or a replica's restart is under way."""
 
 
-def level(name: str) -> Durability:
-    try:
-        return Durability(name)
-    except ValueError:
-        raise SystemExit(
-            f"LASTEVENT_DURABILITY={name!r}: one of {', '.join(d.value for d in Durability)}"
-        ) from None
-
-
 def of(settings: Settings, redis: Redis, keys: Keys) -> Committer:
     """The committer of a process with these settings."""
-    return Committer(redis, keys, level(settings.durability), timeout_ms=settings.commit_timeout_ms)
+    return Committer(redis, keys, settings.durability, timeout_ms=settings.commit_timeout_ms)
 
 
 async def started(committer: Committer, what: str, wait_s: float) -> None:

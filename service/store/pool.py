@@ -203,9 +203,8 @@ def _silence(silent_s: float, longest_wait_s: float) -> dict[str, Any]:
     partitioned node keeps its sockets open and never answers: without a socket timeout a
     command waits on it for ever (a single node's client had none; a cluster's 5 s, longer
     than its election). TCP keepalive (on) notices a host gone from under an idle pooled
-    connection; it cannot notice a frozen process, whose kernel still answers the probes."""
-    if silent_s <= 0:
-        raise ValueError(f"LASTEVENT_REDIS_SILENT_S must be positive (got {silent_s})")
+    connection; it cannot notice a frozen process, whose kernel still answers the probes.
+    (``silent_s`` is positive: ``Settings`` checks ``LASTEVENT_REDIS_SILENT_S``.)"""
     return {
         "socket_timeout": longest_wait_s + silent_s,
         "socket_connect_timeout": silent_s,
