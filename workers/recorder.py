@@ -47,9 +47,9 @@ class Recorder:
         *,
         batch: int = 64,
         block_ms: int = 1000,
-        claim_idle_ms: int = 30_000,
-        retention_s: int = 7 * 86400,
-        crash_after_insert: bool = False,
+        claim_idle_ms: int,  # (these three: Settings' recorder_*, outbox_retention_s)
+        retention_s: int,
+        crash_after_insert: bool,
         record_timeout_s: float = 20.0,
     ) -> None:
         self.outbox = outbox

@@ -60,18 +60,19 @@ class Sweeper:
         heartbeats: Heartbeats,
         *,
         sweeper_id: str,
-        stale_s: float = 5.0,
-        interval_s: float = 2.0,
-        max_takeovers: int = 2,
-        takeover_wait_s: float = 0.0,
-        request_deadline_s: float = 600.0,
+        stale_s: float,
+        interval_s: float,
+        max_takeovers: int,
+        takeover_wait_s: float,
+        request_deadline_s: float,
         connections: Observer | None = None,
-        connection_grace_s: float = 0.2,
-        connection_poll_s: float = 0.1,
+        connection_grace_s: float,
+        connection_poll_s: float,
         own_worker: str = "",
     ) -> None:
-        """``own_worker``: a node's own worker (``lastevent node``): it dies with this
-        process, so while no other worker is known the connections are polled less often."""
+        """The numbers are ``Settings``' (``sweeper_of``). ``own_worker``: a node's own
+        worker (``lastevent node``): it dies with this process, so while no other worker is
+        known the connections are polled less often."""
         self.log = log_
         self.own_worker = own_worker
         self.queue = queue

@@ -110,9 +110,9 @@ class LogTailer:
         redis: Redis,
         keys: Keys,
         *,
-        block_ms: int = 5000,
-        count: int = 512,
-        shard_size: int = 1000,
+        block_ms: int,
+        count: int,
+        shard_size: int,
         keepalive_s: float | None = None,
         writer: Redis | None = None,
         committer: Committer | None = None,
@@ -121,7 +121,8 @@ class LogTailer:
         """``redis`` holds one connection per shard in ``XREAD BLOCK`` (so its pool caps the
         shards: 64 connections, ~63,000 followed logs); ``writer`` (default ``redis``) sends
         the wakes, so that they never queue behind blocked reads. ``feed``: the node's
-        worker's appends (``local.py``), for the readers of the requests it writes."""
+        worker's appends (``local.py``), for the readers of the requests it writes. The
+        numbers are ``Settings``' ``tail_*`` (``api/app.py``); ``keepalive_s`` None: none."""
         self._redis = writer or redis
         self._committer = committer or Committer(self._redis, keys, Durability.MEMORY)
         # the same pool, but XREAD replies left as Redis sent them: redis-py's reply

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 
+from service.settings import Settings
 from service.store.batcher import AppendBatcher
 from service.store.keys import Keys
 from service.store.log import Owner, RedisLog
@@ -17,6 +18,8 @@ from service.store.tail import LogTailer
 from service.stream import events as ev
 from service.stream.endings import Ending
 from tests.endings import ending
+
+DEFAULTS = Settings()  # the numbers a process takes unless told (LASTEVENT_*)
 
 
 @pytest.fixture
@@ -59,7 +62,13 @@ async def tail_client(redis_url: str) -> AsyncIterator[tuple[Redis, str]]:
 
 @pytest.fixture
 async def tailer(tail_client: tuple[Redis, str], keys: Keys) -> AsyncIterator[LogTailer]:
-    t = LogTailer(tail_client[0], keys, block_ms=10_000)
+    t = LogTailer(
+        tail_client[0],
+        keys,
+        block_ms=10_000,
+        count=DEFAULTS.tail_count,
+        shard_size=DEFAULTS.tail_shard_size,
+    )
     await t.start()  # no shard, no read yet: each test's first subscribe starts one
     yield t
     await t.stop()

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
+from service.settings import Settings
 from service.store.commit import Committer, Durability, Misconfigured, Uncommitted
 from service.store.keys import Keys
 from service.store.log import RedisLog
@@ -27,6 +28,8 @@ from tests.integration.conftest import finished
 from tests.integration.test_redis_log import END, collect, delta, new_request
 from tests.servers import OwnRedis
 from tests.waiting import eventually
+
+DEFAULTS = Settings()  # the numbers a process takes unless told (LASTEVENT_*)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -111,7 +114,14 @@ async def test_a_tail_reader_is_sent_only_what_a_replica_acknowledged(
 ) -> None:
     _, replica = pair
     rlog = RedisLog(client, keys, committer=committer)
-    tailer = LogTailer(client, keys, block_ms=200, committer=committer)
+    tailer = LogTailer(
+        client,
+        keys,
+        block_ms=200,
+        count=DEFAULTS.tail_count,
+        shard_size=DEFAULTS.tail_shard_size,
+        committer=committer,
+    )
     await tailer.start()
     try:
         rid, owner = await new_request(rlog)

@@ -11,7 +11,6 @@ import pytest
 from redis.asyncio import Redis
 
 from service.api.request_ids import new_request_id
-from service.api.sweeper import Sweeper
 from service.store.heartbeats import Heartbeat, Heartbeats
 from service.store.keys import Keys, model_lane
 from service.store.log import RedisLog
@@ -20,6 +19,7 @@ from service.store.queue import Job, RequestQueue, encode_job
 from service.stream import events as ev
 from service.stream.events import Kind
 from service.stream.params import SamplingParams
+from tests.integration.test_sweeper import make_sweeper
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -79,7 +79,7 @@ async def test_a_lost_workers_request_goes_back_to_its_models_lane(
     await log.append(rid, owner.epoch, [ev.Delta("hi", [5], 1)])
     await beats.beat("dead", Heartbeat(1, 1, int(time.time() * 1000) - 60_000, 0, models=(BIG,)))
     time.sleep(0.1)  # the entry's idle time: the sweeper only takes what idled stale_s
-    assert await Sweeper(log, swept, beats, sweeper_id="s1", stale_s=0.05).sweep() == 1
+    assert await make_sweeper(log, swept, beats, stale_s=0.05).sweep() == 1
     assert await small.read(0, "other-model", count=10, block_ms=50) == []
     [(again, job)] = await big.read(0, "alive", count=10, block_ms=100)
     assert job.request_id == rid and again != entry

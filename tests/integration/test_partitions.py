@@ -13,6 +13,7 @@ import pytest
 from redis.asyncio import Redis
 
 from service.ledger.ledger import Ledger, make_engine
+from service.settings import Settings
 from service.store.keys import Keys
 from service.store.log import Append, RedisLog
 from service.store.outbox import Outbox
@@ -25,6 +26,13 @@ from tests.waiting import eventually
 from workers.recorder import Recorder
 
 pytestmark = pytest.mark.timeout(60)
+
+DEFAULTS = Settings()  # the numbers a process takes unless told (LASTEVENT_*)
+RECORDER = {
+    "claim_idle_ms": DEFAULTS.recorder_claim_idle_ms,
+    "retention_s": DEFAULTS.outbox_retention_s,
+    "crash_after_insert": DEFAULTS.recorder_crash_after_insert,
+}
 
 PARTITIONS = 4
 
@@ -149,7 +157,7 @@ async def test_the_recorder_frees_a_slot_its_writer_left_taken(
     await end_in_the_log(log, rid, created("acme", None))
     assert await redis.zscore(slot, rid) is not None
     engine = make_engine(database_url)
-    recorder = Recorder(outbox, log, Ledger(engine), "rec", block_ms=50)
+    recorder = Recorder(outbox, log, Ledger(engine), "rec", block_ms=50, **RECORDER)
     await outbox.ensure_group()
     [entry] = await outbox.read(2, "rec", 10, pending=False, block_ms=50)
     await recorder._record(2, entry)
@@ -192,7 +200,7 @@ async def test_a_stalled_ledger_write_is_tried_again(
     engine = make_engine(database_url)
     ledger = Ledger(engine)
     hangs = HangsOnce(ledger, deaf=deaf)
-    recorder = Recorder(outbox, log, hangs, "rec", block_ms=50, record_timeout_s=0.5)  # type: ignore[arg-type]
+    recorder = Recorder(outbox, log, hangs, "rec", block_ms=50, record_timeout_s=0.5, **RECORDER)  # type: ignore[arg-type]
     running = asyncio.create_task(recorder.run())
     try:
         await eventually(lambda: ledger.get(rid), "the row, after the stalled write", timeout=30)

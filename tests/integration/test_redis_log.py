@@ -18,6 +18,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
 
+from service.settings import Settings
 from service.store.batcher import AppendBatcher
 from service.store.keys import QUEUE_GROUP, Keys
 from service.store.log import (
@@ -38,6 +39,8 @@ from service.stream.ids import EventId
 from service.stream.params import SamplingParams
 from tests.integration.conftest import finished
 from tests.waiting import eventually
+
+DEFAULTS = Settings()  # the numbers a process takes unless told (LASTEVENT_*)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -204,7 +207,13 @@ async def test_terminal_append_right_sizes_the_log(
         )
     before = await redis.memory_usage(keys.log(request_id), samples=0)
     entries_before = await rlog.read(request_id)
-    tailer = LogTailer(tail_client[0], keys, block_ms=10_000)
+    tailer = LogTailer(
+        tail_client[0],
+        keys,
+        block_ms=10_000,
+        count=DEFAULTS.tail_count,
+        shard_size=DEFAULTS.tail_shard_size,
+    )
     await tailer.start()
     try:
         sub = tailer.subscribe(request_id, entries_before[-1][0])
@@ -376,7 +385,13 @@ async def test_tailer_shards_logs_and_reuses_room(
 ):
     """Shards of at most ``shard_size`` logs (a read names only its shard's logs);
     two readers of one log share its shard; a freed place is taken again."""
-    tailer = LogTailer(tail_client[0], keys, block_ms=10_000, shard_size=7)
+    tailer = LogTailer(
+        tail_client[0],
+        keys,
+        block_ms=10_000,
+        count=DEFAULTS.tail_count,
+        shard_size=7,
+    )
     await tailer.start()
     try:
         requests = [await new_request(rlog) for _ in range(20)]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
 
 from service.api.sweeper import Sweeper
+from service.settings import Settings
 from service.store.control import Control
 from service.store.heartbeats import Heartbeat, Heartbeats
 from service.store.keys import QUEUE_GROUP, TAKEOVER_ENTRY, Keys
@@ -20,6 +22,22 @@ from service.stream.lifecycle import Requeue, State
 from service.stream.params import SamplingParams
 
 pytestmark = pytest.mark.timeout(30)
+
+DEFAULTS = Settings()  # the numbers a process takes unless told (LASTEVENT_*)
+
+
+def make_sweeper(log: RedisLog, queue: RequestQueue, beats: Heartbeats, **given: Any) -> Sweeper:
+    """A sweeper with a process's default numbers, but those ``given``."""
+    numbers: dict[str, Any] = {
+        "stale_s": DEFAULTS.worker_stale_s,
+        "interval_s": DEFAULTS.sweep_interval_s,
+        "max_takeovers": DEFAULTS.max_takeovers,
+        "takeover_wait_s": DEFAULTS.takeover_wait_s,
+        "request_deadline_s": DEFAULTS.request_deadline_s,
+        "connection_grace_s": DEFAULTS.worker_connection_grace_s,
+        "connection_poll_s": DEFAULTS.worker_connection_poll_s,
+    }
+    return Sweeper(log, queue, beats, sweeper_id="s1", **{**numbers, **given})
 
 
 async def submitted(log: RedisLog, queue: RequestQueue) -> str:
@@ -37,7 +55,7 @@ async def test_a_job_a_frozen_worker_took_is_queued_again(redis: Redis, key_pref
     rid = await submitted(log, queue)
     [(old_entry, _)] = await queue.read(0, "frozen", count=1, block_ms=100)  # then it froze
     await beats.beat("frozen", Heartbeat(1, 1, int(time.time() * 1000) - 60_000, 0))
-    sweeper = Sweeper(log, queue, beats, sweeper_id="s1", stale_s=0.05)
+    sweeper = make_sweeper(log, queue, beats, stale_s=0.05)
     time.sleep(0.1)  # the entry's idle time: the sweeper only takes what idled stale_s
     assert await sweeper.sweep() == 1
     [(new_entry, job)] = await queue.read(0, "healthy", count=1, block_ms=100)
@@ -67,7 +85,7 @@ async def test_a_started_job_of_a_dead_worker_is_queued_for_a_takeover(
     await queue.ensure_group()
     rid = await submitted(log, queue)
     old_entry, old = await lose(log, queue, beats, rid, "dead")
-    assert await Sweeper(log, queue, beats, sweeper_id="s1", stale_s=0.05).sweep() == 1
+    assert await make_sweeper(log, queue, beats, stale_s=0.05).sweep() == 1
     # the old owner is fenced out at once, before anyone claims
     with pytest.raises(Fenced):
         await log.append(rid, old.epoch, [ev.Delta("x", [6], 2)])
@@ -91,7 +109,7 @@ async def test_a_request_lost_too_often_ends_worker_lost(redis: Redis, key_prefi
     log, queue, beats = RedisLog(redis, keys), RequestQueue(redis, keys), Heartbeats(redis, keys)
     await queue.ensure_group()
     rid = await submitted(log, queue)
-    sweeper = Sweeper(log, queue, beats, sweeper_id="s1", stale_s=0.05, max_takeovers=1)
+    sweeper = make_sweeper(log, queue, beats, stale_s=0.05, max_takeovers=1)
     await lose(log, queue, beats, rid, "first")
     assert await sweeper.sweep() == 1
     await lose(log, queue, beats, rid, "second")
@@ -110,7 +128,7 @@ async def test_a_takeover_nobody_takes_ends_at_its_wait(redis: Redis, key_prefix
     log, queue, beats = RedisLog(redis, keys), RequestQueue(redis, keys), Heartbeats(redis, keys)
     await queue.ensure_group()
     rid = await submitted(log, queue)
-    sweeper = Sweeper(log, queue, beats, sweeper_id="s1", stale_s=0.05, takeover_wait_s=0.05)
+    sweeper = make_sweeper(log, queue, beats, stale_s=0.05, takeover_wait_s=0.05)
     await lose(log, queue, beats, rid, "dead")
     assert await sweeper.sweep() == 1
     time.sleep(0.1)
@@ -128,7 +146,7 @@ async def test_a_claimed_takeover_is_not_ended_at_its_wait(redis: Redis, key_pre
     log, queue, beats = RedisLog(redis, keys), RequestQueue(redis, keys), Heartbeats(redis, keys)
     await queue.ensure_group()
     rid = await submitted(log, queue)
-    sweeper = Sweeper(log, queue, beats, sweeper_id="s1", stale_s=0.05, takeover_wait_s=0.05)
+    sweeper = make_sweeper(log, queue, beats, stale_s=0.05, takeover_wait_s=0.05)
     await lose(log, queue, beats, rid, "dead")
     assert await sweeper.sweep() == 1
     [(entry, _)] = await queue.read(0, "next", count=1, block_ms=100)
@@ -166,7 +184,7 @@ async def test_a_live_workers_running_jobs_are_left_alone(redis: Redis, key_pref
     time.sleep(0.1)
     fresh = int(time.time() * 1000) + 60_000  # fresh whatever the sweep's timing
     await beats.beat("alive", Heartbeat(2, 1, fresh, 0, frozenset({served})))
-    assert await Sweeper(log, queue, beats, sweeper_id="s1", stale_s=0.05).sweep() == 1
+    assert await make_sweeper(log, queue, beats, stale_s=0.05).sweep() == 1
     assert [p.job.request_id for p in await queue.pending(0, "alive") if p.job] == [served]
     [(_, again)] = await queue.read(0, "other", count=1, block_ms=100)
     assert again.request_id == lost
@@ -181,7 +199,7 @@ async def test_a_store_outage_is_not_staleness(redis: Redis, key_prefix: str):
     await queue.ensure_group()
     rid = await submitted(log, queue)
     await lose(log, queue, beats, rid, "alive")  # its heartbeat: a minute old
-    sweeper = Sweeper(log, queue, beats, sweeper_id="s1", stale_s=0.3)
+    sweeper = make_sweeper(log, queue, beats, stale_s=0.3)
     sweeper.store_lost()  # (what the sweeper's loop calls when a round failed)
     assert await sweeper.sweep() == 0
     time.sleep(0.35)  # the store is back; the worker beats again, as a live one does
@@ -202,7 +220,7 @@ async def test_a_takeover_is_read_ahead_of_a_backlog_of_fresh_work(redis: Redis,
     for i, rid in enumerate(lost):
         await lose(log, queue, beats, rid, f"dead{i}")
     backlog = [await submitted(log, queue) for _ in range(3)]  # fresh work waiting
-    assert await Sweeper(log, queue, beats, sweeper_id="s1", stale_s=0.05).sweep() == 2
+    assert await make_sweeper(log, queue, beats, stale_s=0.05).sweep() == 2
     assert await queue.depth() == 5
     # a read for one job per queue: the takeover queue's comes first (a worker with one
     # free slot runs it, and gives the fresh one back)
@@ -228,7 +246,7 @@ async def test_a_continuation_a_frozen_worker_was_handed_moves_without_a_takeove
     await queue.ensure_group()
     rid = await submitted(log, queue)
     await lose(log, queue, beats, rid, "dead")
-    sweeper = Sweeper(log, queue, beats, sweeper_id="s1", stale_s=0.05)
+    sweeper = make_sweeper(log, queue, beats, stale_s=0.05)
     assert await sweeper.sweep() == 1
     epoch = (await log.meta(rid)).epoch  # type: ignore[union-attr]
     [(handed, _)] = await queue.read(0, "frozen", count=1, block_ms=100)

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
+from service.settings import Settings
 from service.store import replies, tail
 from service.store.batcher import AppendBatcher
 from service.store.keys import LOG_FIELD, WAKE_BATCHED, Keys
@@ -33,6 +34,8 @@ from tests.integration.test_redis_log import (
     until_blocked,
 )
 from tests.waiting import eventually
+
+DEFAULTS = Settings()  # the numbers a process takes unless told (LASTEVENT_*)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -217,7 +220,13 @@ async def test_a_shard_survives_an_error_that_is_not_a_store_error(
     """Whatever a read raises (here a RuntimeError, as a Redis client not mapping one of
     its errors would), the shard logs it and goes on: its readers are not left with
     pings for ever (a cluster failover killed a shard's loop so, before)."""
-    tailer = LogTailer(tail_client[0], keys, block_ms=10_000)
+    tailer = LogTailer(
+        tail_client[0],
+        keys,
+        block_ms=10_000,
+        count=DEFAULTS.tail_count,
+        shard_size=DEFAULTS.tail_shard_size,
+    )
     reader = tailer._reader  # (the client its shards read with)
     send = reader.xread
     broken = {"left": 2}
