@@ -15,7 +15,6 @@ from service.api.context import Context
 from service.api.metrics import REQUESTS
 from service.api.readers import (
     collect,
-    nothing_after,
     reader_lease,
     response_collect,
     response_frames,
@@ -27,7 +26,7 @@ from service.api.schemas import ResponsesRequest
 from service.api.submit import Accepted
 from service.errors import ApiError
 from service.store.presence import Lease
-from service.stream import sse
+from service.stream import resume, sse
 from service.stream.lifecycle import State
 from service.stream.render import error_object
 
@@ -59,15 +58,16 @@ async def completion(
                 return Response(content, status_code=503, headers=headers)
             return Response(content, status_code=500, headers=acc.headers)
         return Response(agg.response(), headers=acc.headers)
-    cursor = None
-    if acc.replayed:  # from the start, or after the retried POST's Last-Event-ID
-        cursor, param = intake.event_cursor(request)
-        if cursor is not None:
-            _, known, last = await ctx.log.look(rid, cursor.event)
-            if not known:
-                raise intake.foreign_cursor(cursor, rid, param)
-            if nothing_after(rid, created, last, cursor):  # it has it all: stop
-                return Response(b"", status_code=204, headers=acc.headers)
+    cursor, param = intake.event_cursor(request) if acc.replayed else (None, "after")
+    looked = resume.Looked(created)  # (found by the caller's key: its tenant's)
+    if cursor is not None:  # a replay, after the retried POST's Last-Event-ID
+        _, known, last = await ctx.log.look(rid, cursor.event)
+        looked = resume.Looked(created, last, known)
+    match resume.event_plan(rid, created.tenant, looked, cursor):
+        case resume.UnknownCursor(cursor=foreign):
+            raise intake.foreign_cursor(foreign, rid, param)
+        case resume.NothingToSend():  # it has it all: stop
+            return Response(b"", status_code=204, headers=acc.headers)
     frames = sse_frames(ctx, rid, created, cursor, lease=acc.lease, framing=framed)
     return Stream(frames, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **acc.headers})
 
@@ -87,7 +87,9 @@ async def response(
     rid, created = acc.request_id, acc.created
     if body.stream:
         after = intake.sequence_cursor(request) if acc.replayed else None
-        frames = response_frames(ctx, rid, created, after, lease=acc.lease, framing=framed)
+        plan = resume.sequence_plan(created.tenant, resume.Looked(created), after)
+        assert isinstance(plan, resume.FromHotLog)  # (its key found it; read hot)
+        frames = response_frames(ctx, rid, created, plan.cursor, lease=acc.lease, framing=framed)
         return Stream(frames, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **acc.headers})
     if body.background:  # answered at once: it runs with no reader
         renderer = response_renderer(rid, created)

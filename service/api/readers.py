@@ -277,18 +277,6 @@ async def _follow(
         yield out
 
 
-def nothing_after(
-    rid: str, created: Created, last: tuple[EventId, Event] | None, cursor: Cursor | None
-) -> bool:
-    """The cursor is on the terminal event, past its last frame: the client has it all
-    (the caller answers 204, the SSE standard's "stop reconnecting")."""
-    if cursor is None or last is None or not isinstance(last[1], End):
-        return False
-    if cursor.event != last[0]:
-        return False
-    return not sse_event_frames(ChunkRenderer(rid, created), last[0], last[1], cursor)
-
-
 def _catch_up(sub: Subscription, batch: Batch) -> Batch:
     """A reader that fell behind (its client reads slowly): everything waiting, with runs
     of deltas merged into one event each."""

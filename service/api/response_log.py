@@ -13,6 +13,7 @@ from service.api.readers import response_renderer
 from service.api.request_ids import checked_request_id, no_such_request
 from service.api.response_input import as_input, kept
 from service.errors import InvalidRequest, NotFound
+from service.stream import resume
 from service.stream.events import Created, Event, Kind
 from service.stream.ids import EventId
 
@@ -24,20 +25,22 @@ class Found:
     hot: bool  # read from Redis (else from the archive: it has ended)
 
 
-async def entries(ctx: Context, rid: str, principal: Principal) -> Found:
-    """The response's log, hot or archived; 404 for another tenant's or a non-response."""
+async def logged(ctx: Context, rid: str) -> tuple[list[tuple[EventId, Event]], resume.Looked]:
+    """The response's log, hot or archived, whoever's it is: what its plan decides on."""
     found = await ctx.log.read(checked_request_id(rid))
     hot = bool(found)
     if not hot and ctx.ledger is not None:
         found = await ctx.ledger.archived(rid) or []
-    created = found[0][1] if found else None
-    if (
-        not isinstance(created, Created)
-        or created.tenant != principal.tenant
-        or created.kind != Kind.RESPONSE
-    ):
+    return found, resume.Looked.whole(found, None, hot=hot)
+
+
+async def entries(ctx: Context, rid: str, principal: Principal) -> Found:
+    """The response's log, hot or archived; 404 for another tenant's or a non-response."""
+    found, looked = await logged(ctx, rid)
+    created = resume.owner(looked.first, principal.tenant, Kind.RESPONSE)
+    if created is None:
         raise no_such_request(rid)
-    return Found(created, found, hot)
+    return Found(created, found, looked.hot)
 
 
 def response_object(rid: str, found: Found) -> dict[str, Any]:

@@ -30,15 +30,15 @@ from service.api.context import Context
 from service.api.intake import Idempotency
 from service.api.metrics import REQUESTS
 from service.api.readers import admit_return, response_frames, response_renderer, seated
-from service.api.response_log import entries
+from service.api.request_ids import no_such_request
+from service.api.response_log import logged
 from service.api.schemas import ResponsesRequest
 from service.api.submit import accept
 from service.errors import ApiError, InvalidRequest, ServiceUnavailable
 from service.ledger.ledger import PostgresUnavailable
 from service.store.pool import STORE_ERRORS
 from service.stream import responses_ws as ws
-from service.stream import sse
-from service.stream.events import End
+from service.stream import resume, sse
 from service.stream.response_events import frames_after
 
 log = logging.getLogger(__name__)
@@ -151,16 +151,19 @@ class Session:
     async def _resume(self, work: ws.Resume) -> None:
         """The rest of a response the client's cut socket was streaming."""
         rid, ctx = work.response_id, self.ctx
-        found = await entries(ctx, rid, self.principal)
-        if found.hot and not isinstance(found.entries[-1][1], End):  # followed to its end,
-            # as GET /v1/responses/{id}?stream=true follows it
-            frames = response_frames(ctx, rid, found.created, work.after, logged=found.entries)
-            frames = seated(ctx, rid, found.created, frames)
-            await admit_return(ctx, rid, found.created)
+        log, looked = await logged(ctx, rid)
+        plan = resume.sequence_plan(self.principal.tenant, looked, work.after, follow_ended=False)
+        if isinstance(plan, resume.NotYours):
+            raise no_such_request(rid)
+        if isinstance(plan, resume.FromHotLog):  # followed to its end, as
+            # GET /v1/responses/{id}?stream=true follows it
+            frames = response_frames(ctx, rid, plan.created, plan.cursor, logged=log)
+            frames = seated(ctx, rid, plan.created, frames)
+            await admit_return(ctx, rid, plan.created)
             await self._pump(frames, work.stream_id)
             return
-        renderer = response_renderer(rid, found.created)  # it ended: the rest is here
-        for frame in frames_after(renderer, (e for _, e in found.entries), work.after):
+        renderer = response_renderer(rid, plan.created)  # it ended: the rest is here
+        for frame in frames_after(renderer, (e for _, e in log), plan.cursor):
             await self.send(ws.event(sse.escape_json(frame.json()), work.stream_id))
 
     async def _pump(self, frames: AsyncIterator[bytes], lane: str | None) -> None:

@@ -16,22 +16,15 @@ from service.api.context import Context
 from service.api.documented import EVENT_CURSOR, SSE, success_as
 from service.api.framing import framing
 from service.api.metrics import RESUMES
-from service.api.readers import admit_return, nothing_after, seated, sse_frames
-from service.api.request_ids import REQUEST_ID_HEADER, checked_request_id, no_such_request, owned
+from service.api.readers import admit_return, seated, sse_frames
+from service.api.request_ids import REQUEST_ID_HEADER, checked_request_id, no_such_request
 from service.api.schemas import error_responses
 from service.api.status import request_status
-from service.stream import sse
+from service.stream import resume, sse
 from service.stream.events import Created, Event
 from service.stream.ids import Cursor, EventId
 from service.stream.lifecycle import State
 from service.stream.render import ChunkRenderer, sse_event_frames
-
-
-async def _archived(ctx: Context, rid: str) -> list[tuple[EventId, Event]]:
-    entries = await ctx.ledger.archived(rid) if ctx.ledger is not None else None
-    if not entries:
-        raise no_such_request(rid)
-    return entries
 
 
 class RequestsController(Controller):
@@ -66,29 +59,32 @@ class RequestsController(Controller):
         # first entry, the cursor's entry, last entry: one round trip (each await is a turn
         # of a busy event loop, and this is the reconnect latency a client feels)
         first, known, last = await ctx.log.look(request_id, cursor.event if cursor else None)
-        if first is None or not isinstance(first[1], Created):
-            # the hot log is gone: one cursor, served from the archive
-            entries = await _archived(ctx, request_id)
-            cold = owned(entries[0][1], principal, request_id)
-            if cursor is not None and cursor.event not in {eid for eid, _ in entries}:
-                raise intake.foreign_cursor(cursor, request_id, param)
-            if nothing_after(request_id, cold, entries[-1], cursor):
-                return Response(b"", status_code=204, headers={REQUEST_ID_HEADER: request_id})
-            hint = ctx.settings.reconnect_hint_ms
-            frames = cold_frames(request_id, entries, cursor, hint, framed)
-            return Stream(frames, media_type=sse.MEDIA_TYPE, headers=headers)
-        created = owned(first[1], principal, request_id)
-        if cursor is not None:
+        entries: list[tuple[EventId, Event]] = []
+        if first is not None and isinstance(first[1], Created):
+            looked = resume.Looked(first[1], last, known)
+        else:  # the hot log is gone: one cursor, served from the archive
+            if ctx.ledger is not None:
+                entries = await ctx.ledger.archived(request_id) or []
+            looked = resume.Looked.whole(entries, cursor)
+        plan = resume.event_plan(request_id, principal.tenant, looked, cursor)
+        if looked.hot and cursor is not None and not isinstance(plan, resume.NotYours):
             RESUMES.inc()
-            if not known:
-                raise intake.foreign_cursor(cursor, request_id, param)
-            if nothing_after(request_id, created, last, cursor):
+        match plan:
+            case resume.NotYours():
+                raise no_such_request(request_id)
+            case resume.UnknownCursor(cursor=foreign):
+                raise intake.foreign_cursor(foreign, request_id, param)
+            case resume.NothingToSend():
                 # the client has it all: 204 is how the SSE standard tells it to stop (an
                 # empty 200 makes EventSource reconnect every few seconds, for ever)
                 return Response(b"", status_code=204, headers={REQUEST_ID_HEADER: request_id})
-        live = sse_frames(ctx, request_id, created, cursor, framing=framed)
-        frames = seated(ctx, request_id, created, live)
-        await admit_return(ctx, request_id, created)
+            case resume.FromArchive():
+                hint = ctx.settings.reconnect_hint_ms
+                frames = cold_frames(request_id, entries, plan.cursor, hint, framed)
+                return Stream(frames, media_type=sse.MEDIA_TYPE, headers=headers)
+        live = sse_frames(ctx, request_id, plan.created, plan.cursor, framing=framed)
+        frames = seated(ctx, request_id, plan.created, live)
+        await admit_return(ctx, request_id, plan.created)
         return Stream(frames, media_type=sse.MEDIA_TYPE, headers=headers)
 
     @get(

@@ -33,14 +33,14 @@ from service.api.readers import (
     response_sse,
     seated,
 )
-from service.api.request_ids import REQUEST_ID_HEADER
+from service.api.request_ids import REQUEST_ID_HEADER, no_such_request
 from service.api.response_input import kept, listed
-from service.api.response_log import entries, response_object
+from service.api.response_log import Found, entries, logged, response_object
 from service.api.schemas import ResponsesRequest, error_responses
 from service.api.status import ledger_row
 from service.api.submit import accept
 from service.errors import InvalidRequest
-from service.stream import sse
+from service.stream import resume, sse
 from service.stream.events import End
 from service.stream.response_events import frames_after
 
@@ -107,19 +107,23 @@ class ResponsesController(Controller):
         framed = framing(request, ctx.settings.sse_framing)
         if after is not None and not stream:
             raise InvalidRequest("'starting_after' needs 'stream=true'", param="starting_after")
-        found = await entries(ctx, response_id, principal)
+        log, looked = await logged(ctx, response_id)
+        plan = resume.sequence_plan(principal.tenant, looked, after)
+        if isinstance(plan, resume.NotYours):
+            raise no_such_request(response_id)
         headers = {REQUEST_ID_HEADER: response_id}
         if not stream:
+            found = Found(plan.created, log, looked.hot)
             return Response(response_object(response_id, found), headers=headers)
-        if found.hot:  # follow it to its end, from what was just read
+        if isinstance(plan, resume.FromHotLog):  # follow it to its end, from what was just read
             frames = response_frames(
-                ctx, response_id, found.created, after, logged=found.entries, framing=framed
+                ctx, response_id, plan.created, plan.cursor, logged=log, framing=framed
             )
-            frames = seated(ctx, response_id, found.created, frames)
-            await admit_return(ctx, response_id, found.created)
+            frames = seated(ctx, response_id, plan.created, frames)
+            await admit_return(ctx, response_id, plan.created)
             return Stream(frames, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **headers})
         rendered = frames_after(
-            response_renderer(response_id, found.created), (e for _, e in found.entries), after
+            response_renderer(response_id, plan.created), (e for _, e in log), plan.cursor
         )
         body = framed.opening(ctx.settings.reconnect_hint_ms) + response_sse(rendered, framed)
         return Response(body, media_type=sse.MEDIA_TYPE, headers={**sse.HEADERS, **headers})
