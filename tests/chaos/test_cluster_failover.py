@@ -16,7 +16,7 @@ Replication is asynchronous: the replica may not have the primary's last writes.
 has it (the election prefers the most advanced one; an operator promotes that one) has
 every event any client saw -- with two replicas per primary, so that the promoted node
 still has a replica to confirm to once the lost host stays lost (with one, its slot range
-confirms nothing until the host is back: the README's known limits). At ``memory`` and
+confirms nothing until the host is back: docs/operations/known-limits.md). At ``memory`` and
 ``disk`` a failover may take back events a client saw; the request then ends ``log_lost``
 in band after a prefix of them, never with another continuation spliced in. The test
 prints what was lost and the longest a client's stream stood still (``-s``).

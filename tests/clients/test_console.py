@@ -16,8 +16,8 @@ streams an answer (the other takes it over).
   made of it;
 - the key is never in the address, localStorage or a cookie.
 
-``LASTEVENT_SCREENSHOTS=docs/img`` saves the README's pictures of the list, the request
-page and the spend chart there.
+``LASTEVENT_SCREENSHOTS=docs/img`` saves the pictures of docs/operations/console.md (the list,
+the request page and the spend chart) there.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ comes whole, each event once, equal to its HTTP twin.
 
 The proxy lets each connection carry at least 6,000 bytes: the first one then always
 delivers both ``response.created`` events, without which a client cannot name a response
-(a limit of the mode, in the README)."""
+(a limit of the mode, in docs/reference/responses-websocket.md)."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def test_python_sdk_reconnects_and_resumes_every_response(
 ) -> None:
     client = OpenAI(base_url=cutting.url + "/v1", api_key=api_key, max_retries=0)
     reconnects = 0
-    # the README's recipe, as it is printed there
+    # the recipe of docs/reference/responses-websocket.md, as it is printed there
     current, seen = {}, {}  # lane -> response id; response id -> (last sequence number, lane)
 
     def on_reconnecting(event: ReconnectingEvent) -> ReconnectingOverrides:

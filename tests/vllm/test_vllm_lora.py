@@ -8,7 +8,7 @@ weights from a fixed seed, scaled so that greedy decoding answers otherwise).
 
 vLLM 0.32's CPU build gets a batch that mixes the adapter and the base model wrong: the
 base rows are given the adapter's output too (vLLM alone does it: ``LLM.chat`` of four
-prompts with ``lora_request=[None, lora, None, lora]``; README "Known limits"). So the
+prompts with ``lora_request=[None, lora, None, lora]``; docs/operations/known-limits.md). So the
 requests here run one at a time.
 """
 
