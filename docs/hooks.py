@@ -60,7 +60,10 @@ def as_text(node: Any) -> Any:
 def on_pre_build(config: Any) -> None:
     """Write the schema before MkDocs collects the files (only when it changed, so that
     `mkdocs serve` does not rebuild for ever)."""
-    text = json.dumps(as_text(openapi_schema()), indent=2, sort_keys=True) + "\n"
+    schema = as_text(openapi_schema())
+    # (the app names no server: say where `make run` serves it rather than the site's root)
+    schema["servers"] = [{"url": "http://127.0.0.1:8000", "description": "make run"}]
+    text = json.dumps(schema, indent=2, sort_keys=True) + "\n"
     if not SCHEMA.exists() or SCHEMA.read_text() != text:
         SCHEMA.write_text(text)
 
