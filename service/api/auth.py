@@ -34,6 +34,7 @@ from service.api.throttle import FailureLimit
 from service.errors import ApiError, ServiceUnavailable, Unauthorized
 from service.ledger.api_keys import ApiKeys, PostgresUnavailable, hash_secret
 from service.ledger.models import ApiKeyRow
+from service.settings import Auth
 
 log = logging.getLogger("lastevent.auth")
 T = TypeVar("T")
@@ -91,8 +92,8 @@ class Authenticator:
         self,
         keys: ApiKeys | None,
         *,
-        auth: str = "required",
-        cache_s: float = 30.0,
+        auth: Auth,  # (these two: Settings' auth, auth_cache_s)
+        cache_s: float,
         probe_interval_s: float = PROBE_INTERVAL_S,
         max_entries: int = MAX_ENTRIES,
         failures_per_minute: int = 0,
@@ -139,7 +140,7 @@ class Authenticator:
         raw = (authorization or "").strip()
         if raw.lower().startswith("bearer "):
             raw = raw[7:].strip()
-        if self.auth == "off" and parse_key(raw) is None:
+        if self.auth == Auth.OFF and parse_key(raw) is None:
             return ANONYMOUS  # SDKs insist on some api_key; with auth off, only real keys count
         if not raw:
             raise Unauthorized(

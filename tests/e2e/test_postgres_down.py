@@ -31,6 +31,7 @@ from service.errors import ServiceUnavailable
 from service.ledger.api_keys import ApiKeys
 from service.ledger.ledger import Ledger, PostgresUnavailable, make_engine
 from service.ledger.migrate import upgrade
+from service.settings import Settings
 from service.store.keys import Keys
 from tests.e2e.conftest import Stack, free_port, running
 from tests.e2e.helpers import chat_body, content_of, finish_reason, ledger_row
@@ -73,7 +74,7 @@ async def _lookups_fail_as_unavailable(url: str) -> None:
             await ledger.get("chatcmpl-" + "0" * 32)
         with pytest.raises(PostgresUnavailable):
             await ledger.archived("chatcmpl-" + "0" * 32)
-        auth = Authenticator(ApiKeys(engine), cache_s=CACHE_S)
+        auth = Authenticator(ApiKeys(engine), auth=Settings().auth, cache_s=CACHE_S)
         with pytest.raises(ServiceUnavailable) as unavailable:
             await auth.principal("Bearer sk-le-somekey-0123456789abcdef")
         assert unavailable.value.code == "key_store_unavailable"

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import httpx
 import pytest
 
-from service.settings import MODEL_NAME
+from service.settings import MODEL_NAME, Settings
 from service.tokenize import ModelInfo
 from tests.engine_contract import EngineContract
 from tests.upstream_server import ServerProcess
@@ -28,8 +28,18 @@ def upstream(upstream_server: ServerProcess) -> ServerProcess:
 
 
 def config_for(server: ServerProcess, model: ModelInfo, **settings: Any) -> UpstreamConfig:
+    """A process's default numbers (``Settings``), but those in ``settings``."""
+    defaults = Settings()
+    numbers = {
+        "idle_timeout_s": defaults.upstream_idle_timeout_s,
+        "first_token_timeout_s": defaults.upstream_first_token_timeout_s,
+        "retry_s": defaults.upstream_retry_s,
+    }
     return UpstreamConfig(
-        urls=(server.url,), model=MODEL_NAME, eos_token_ids=tuple(model.eos_token_ids), **settings
+        urls=(server.url,),
+        model=MODEL_NAME,
+        eos_token_ids=tuple(model.eos_token_ids),
+        **{**numbers, **settings},
     )
 
 

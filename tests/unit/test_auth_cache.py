@@ -21,6 +21,7 @@ from service.errors import ServiceUnavailable, Unauthorized
 from service.ledger.api_keys import hash_secret
 from service.ledger.ledger import PostgresUnavailable, unreachable
 from service.ledger.models import ApiKeyRow
+from service.settings import Settings
 from tests.waiting import eventually
 
 SECRET = "0123456789abcdef"
@@ -85,6 +86,7 @@ def store() -> FakeKeys:
 
 def authenticator(store: FakeKeys, **kw: Any) -> Authenticator:
     kw.setdefault("cache_s", 30.0)
+    kw.setdefault("auth", Settings().auth)
     return Authenticator(store, **kw)  # type: ignore[arg-type]
 
 

@@ -32,7 +32,7 @@ import pytest
 import pytest_asyncio
 from httpx_sse import EventSource
 
-from service.settings import MODEL_NAME
+from service.settings import MODEL_NAME, Settings
 from service.store.heartbeats import Heartbeat
 from service.store.keys import Keys
 from service.stream import events as ev
@@ -86,8 +86,14 @@ RESTART_S = 600.0  # a safety net: vLLM started again on a loaded machine, then 
 
 
 def config(vllm_serve: VllmServe, model: ModelInfo) -> UpstreamConfig:
+    defaults = Settings()
     return UpstreamConfig(
-        urls=(vllm_serve.url,), model=MODEL_NAME, eos_token_ids=tuple(model.eos_token_ids)
+        urls=(vllm_serve.url,),
+        model=MODEL_NAME,
+        eos_token_ids=tuple(model.eos_token_ids),
+        idle_timeout_s=defaults.upstream_idle_timeout_s,
+        first_token_timeout_s=defaults.upstream_first_token_timeout_s,
+        retry_s=defaults.upstream_retry_s,
     )
 
 

@@ -49,7 +49,7 @@ class ScriptedEngine:
         self,
         model: ModelInfo,
         *,
-        tokens_per_s: float = 50.0,
+        tokens_per_s: float,  # (Settings' scripted_tokens_per_s)
         text: str | None = None,
         fail_after: int | None = None,
         stall_after: int | None = None,

@@ -51,13 +51,14 @@ _ABORTED = StepOutput([], finished=True, finish_reason=EngineFinish.ABORT)
 class UpstreamConfig:
     urls: tuple[str, ...]  # base URLs ending in /v1: replicas of one model
     model: str  # the name the upstream serves
-    api_key: str | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    idle_timeout_s: float = 30.0  # no chunk this long, once it sent one: the stream is hung
+    # these three: Settings' upstream_*
+    idle_timeout_s: float  # no chunk this long, once it sent one: the stream is hung
     # no chunk this long from the start: hung too (a busy server queues a request: it is
     # not asked again for waiting its turn)
-    first_token_timeout_s: float = 600.0
-    retry_s: float = 30.0  # how long a request tries again without progress
+    first_token_timeout_s: float
+    retry_s: float  # how long a request tries again without progress
+    api_key: str | None = None
+    eos_token_ids: tuple[int, ...] = ()
     connect_timeout_s: float = 5.0
     max_connections: int = 1024
     probe_s: float = 1.0  # how often a replica that refused connections is asked again
