@@ -30,7 +30,7 @@ class PresenceWatch:
         *,
         check_s: float,
         park_after_s: float = -1,
-        silent_s: float = 2.0,
+        silent_s: float,  # (Settings' redis_silent_s)
         undecided: Callable[[], Collection[str]],
         decide: Callable[[str, State], None],
     ) -> None:

@@ -121,7 +121,7 @@ class Announcer:
         worker_id: str,
         announced: Callable[[], Awaitable[None]],
         *,
-        silent_s: float = 2.0,
+        silent_s: float,  # (Settings' redis_silent_s)
     ) -> None:
         self.redis = redis
         self.keys = keys

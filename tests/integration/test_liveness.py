@@ -9,6 +9,7 @@ import uuid
 import pytest
 from redis.asyncio import Redis
 
+from service.settings import Settings
 from service.store.keys import Keys
 from service.store.liveness import Announcer, Observer
 from tests.waiting import eventually
@@ -25,7 +26,7 @@ async def test_a_named_connection_is_seen_comes_back_and_goes(redis: Redis, keys
         announced += 1
         await redis.hset(keys.workers, worker, "1 0 0 0")
 
-    announcer = Announcer(redis, keys, worker, announce)
+    announcer = Announcer(redis, keys, worker, announce, silent_s=Settings().redis_silent_s)
     observer = Observer(redis, keys)
     task = asyncio.create_task(announcer.run())
     try:
