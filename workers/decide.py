@@ -37,7 +37,7 @@ class RecheckIn:
 
 
 def plan(verdict: int) -> Abort | RecheckIn | None:
-    """What ``check.lua``'s answer for one running request asks of its owner."""
+    """What ``owner_verdicts.lua``'s answer for one running request asks of its owner."""
     if verdict in VERDICT_STATE:
         return Abort(VERDICT_STATE[Verdict(verdict)])
     if verdict < 0:

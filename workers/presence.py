@@ -4,7 +4,7 @@ Three ways a decision reaches the runner: a periodic check of every running requ
 (one pipelined round trip, every ``presence_check_s``), a message on the worker's
 control channel (a cancel, or "the last reader just left"), and a timer set for the
 moment a reader-less request is to be parked (or abandoned, when its resume window is
-no longer than the park delay). ``check.lua`` answers; the
+no longer than the park delay). ``owner_verdicts.lua`` answers; the
 pure ``decide.plan`` says what the answer asks for; ``Runner.decide`` acts.
 """
 

@@ -265,7 +265,7 @@ class Serve:
 
     async def _park(self, entry_id: bytes, job: Job, owner: Owner, park: Park) -> None:
         """No reader is left: out of the engine (done), its log and job kept, its admission
-        slot freed; a reader that comes back makes it go on (``lease.lua``) -- at once if
+        slot freed; a reader that comes back makes it go on (``lease_and_unpark.lua``) -- at once if
         one came back meanwhile (``park.lua``). Raises ``Fenced``."""
         if park.tail:
             await self.batcher.append(owner, park.tail, give_up_at=job.deadline_unix_s)

@@ -14,11 +14,10 @@ from service.api.auth import Principal
 from service.api.context import Context
 from service.api.request_ids import checked_request_id, no_such_request, owned
 from service.api.status import request_status
+from service.store.scripts.codes import CancelReply
 from service.stream import endings
 from service.stream.endings import Ending
 from service.stream.lifecycle import State
-
-STALE = "stale"  # cancel.lua: parked, and its log is not the one the ending was made from
 
 
 async def cancel_request(ctx: Context, principal: Principal, request_id: str) -> dict[str, Any]:
@@ -33,7 +32,7 @@ async def cancel_request(ctx: Context, principal: Principal, request_id: str) ->
     deadline = time.monotonic() + ctx.settings.cancel_wait_s
     outcome = await ctx.control.cancel(request_id, queued)
     while True:
-        if outcome.outcome == "missing":
+        if outcome.outcome == CancelReply.MISSING:
             raise no_such_request(request_id)
         found = await request_status(ctx, request_id)
         if found is None:
@@ -42,7 +41,7 @@ async def cancel_request(ctx: Context, principal: Principal, request_id: str) ->
         state = State(found["state"])
         if state.terminal or time.monotonic() >= deadline:
             return found
-        if state == State.PARKED or outcome.outcome == STALE:
+        if state == State.PARKED or outcome.outcome == CancelReply.STALE:
             # parked (before the cancel, or while its worker was being told): ended here,
             # with the ending of the log as it is
             parked = await _parked(ctx, request_id)

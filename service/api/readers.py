@@ -232,7 +232,7 @@ async def admit_return(ctx: Context, rid: str, created: Created) -> None:
 
 async def reader_lease(ctx: Context, rid: str, created: Created) -> Lease:
     """A (re)connecting reader's lease. One that comes back to a parked request makes it go
-    on (``lease.lua`` queues it again); it is in flight again for its key's limit (taken
+    on (``lease_and_unpark.lua`` queues it again); it is in flight again for its key's limit (taken
     by ``admit_return`` before the stream began; held here for one that raced it)."""
     lease = await ctx.presence.acquire(rid)
     if lease.unparked:

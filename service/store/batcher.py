@@ -14,8 +14,9 @@ import time
 from collections.abc import Sequence
 
 from service.store.local import LocalFeed
-from service.store.log import Append, LogError, Owner, RedisLog
+from service.store.log import LogError, Owner, RedisLog
 from service.store.pool import UNREACHABLE
+from service.store.scripts.append import Append
 from service.stream import events as ev
 from service.stream.endings import Ending
 from service.stream.ids import EventId

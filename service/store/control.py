@@ -24,12 +24,16 @@ from redis.asyncio.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from service.store import replies, scripts
+from service.store import replies
 from service.store.keys import Keys
 from service.store.limits import free_slots
 from service.store.log import Retention
 from service.store.pool import relearn, survived
-from service.stream import events as ev
+from service.store.scripts.cancel import Cancel, CancelOutcome
+from service.store.scripts.codes import CancelReply, LeaseReply
+from service.store.scripts.lease_and_unpark import LeaseAndUnpark
+from service.store.scripts.leave import Leave
+from service.store.scripts.owner_verdicts import OwnerVerdicts
 from service.stream.endings import Ending
 from service.stream.lifecycle import Meta, State
 
@@ -38,12 +42,6 @@ log = logging.getLogger(__name__)
 
 def now_ms() -> int:
     return int(time.time() * 1000)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CancelOutcome:
-    outcome: str  # missing | cancelled | cancelling | <terminal state already reached>
-    detail: str | None = None  # end id (cancelled while queued) or owner (cancelling)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -59,13 +57,10 @@ class Control:
         self.redis = redis
         self.keys = keys
         self.retention = retention or Retention()
-        self._lease = scripts.register(redis, "lease")
-        self._leave = scripts.register(redis, "leave")
-        self._check = scripts.register(redis, "check")
-        self._cancel = scripts.register(redis, "cancel")
-
-    def _keys(self, rid: str) -> list[str]:
-        return [self.keys.meta(rid), self.keys.readers(rid)]
+        self._lease = LeaseAndUnpark(redis, keys)
+        self._leave = Leave(redis, keys)
+        self._check = OwnerVerdicts(redis, keys)
+        self._cancel = Cancel(redis, keys)
 
     async def cancel(
         self, rid: str, queued: Ending, parked: tuple[Ending, int] | None = None
@@ -75,30 +70,11 @@ class Control:
         when the log has others by now). ``cancel.lua`` writes the one that applies, with
         its outbox entry; its TTL and admission slot from it, as ``RedisLog.end``."""
         summary = queued.summary
-        keys = [
-            self.keys.meta(rid),
-            self.keys.log(rid),
-            self.keys.outbox_of(rid),
-            self.keys.scratch(rid),
-            self.keys.tails(rid),
-            self.keys.parked_of(rid),
-        ]
-        [end] = queued.events
-        ttl_s = self.retention.ttl_s(summary)
-        args: list[Any] = [ev.encode(end), ttl_s, ev.encode_summary(summary)]
-        if parked is None:
-            args += ["", "", 0]
-        else:
-            ending, events = parked
-            [parked_end] = ending.events
-            args += [ev.encode(parked_end), ev.encode_summary(ending.summary), events]
-        args.append(rid)
-        parts = replies.texts(await self._cancel(keys=keys, args=args))
-        outcome = CancelOutcome(parts[0], parts[1] if len(parts) > 1 else None)
+        outcome = await self._cancel(rid, queued, parked, self.retention.ttl_s(summary))
         if outcome.outcome == State.CANCELLED and outcome.detail and summary.tenant is not None:
             inflight = self.keys.inflight_of(summary.tenant, summary.api_key_id)
             await free_slots(self.redis, [(inflight, rid)])  # ended here
-        if outcome.outcome == "cancelling" and outcome.detail:
+        if outcome.outcome == CancelReply.CANCELLING and outcome.detail:
             await self.redis.publish(self.keys.control(outcome.detail), f"cancel:{rid}")
         return outcome
 
@@ -107,46 +83,30 @@ class Control:
         (``park_after_ms``: no reader this long parks a request; -1: never)."""
         if not rids:
             return {}
-        now = now_ms()
-        by_partition: dict[int, list[str]] = {}
-        for rid in rids:  # one call per partition (a cluster slot), for all of its requests
-            by_partition.setdefault(self.keys.partition(rid), []).append(rid)
-        calls = [
-            ([k for r in part for k in self._keys(r)], [now, park_after_ms])
-            for part in by_partition.values()
-        ]
-        results = await scripts.run_pipelined(self.redis, self._check, calls)
-        return {
-            r: replies.integer(x)
-            for part, verdicts in zip(by_partition.values(), results, strict=True)
-            for r, x in zip(part, verdicts, strict=True)
-        }
+        return await self._check(rids, now_ms(), park_after_ms)
 
-    async def lease(self, leases: Sequence[tuple[str, str, int]], expiry_ms: int) -> list[int]:
+    async def lease(
+        self, leases: Sequence[tuple[str, str, int]], expiry_ms: int
+    ) -> list[LeaseReply]:
         """Write (or refresh) leases -- (request id, reader token, tokens delivered) --
-        in one pipelined round trip. Each answers 0 (the request ended or is gone), 1, or
-        2: the request was parked, and goes on now (``lease.lua``)."""
-        now = now_ms()
-        keep_ms = self.retention.running_ttl_s * 1000
-        wait_ms = self.retention.worker_wait_s * 1000
-        calls = [
-            (self.keys.parking(rid), [token, expiry_ms, delivered, now, rid, keep_ms, wait_ms])
-            for rid, token, delivered in leases
-        ]
-        if not calls:
-            return []
-        return [
-            replies.integer(r) for r in await scripts.run_pipelined(self.redis, self._lease, calls)
-        ]
+        in one pipelined round trip. Each answers ENDED (the request ended or is gone),
+        LEASED, or UNPARKED: the request was parked, and goes on now
+        (``lease_and_unpark.lua``)."""
+        return await self._lease(
+            leases,
+            expiry_ms,
+            now_ms=now_ms(),
+            keep_ms=self.retention.running_ttl_s * 1000,
+            wait_ms=self.retention.worker_wait_s * 1000,
+        )
 
     async def leave(self, rid: str, token: str, delivered: int) -> int:
         """Drop a lease; returns how many live leases are left. When none is, the owner
         is nudged so that it times the grace period from now instead of polling for it."""
-        left, owner = await self._leave(keys=self._keys(rid), args=[token, now_ms(), delivered])
-        owner_id = replies.text(owner)
-        if replies.integer(left) == 0 and owner_id:
+        left, owner_id = await self._leave(rid, token, now_ms(), delivered)
+        if left == 0 and owner_id:
             await self.redis.publish(self.keys.control(owner_id), f"check:{rid}")
-        return replies.integer(left)
+        return left
 
     async def delivery(self, rid: str) -> Delivery:
         pipe = self.redis.pipeline(transaction=False)

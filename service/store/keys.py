@@ -170,7 +170,7 @@ class Keys:
 
     def parking(self, request_id: str) -> list[str]:
         """The keys of parking a request and of taking it back (``park.lua``'s and
-        ``lease.lua``'s KEYS, in order: all in its partition's slot)."""
+        ``lease_and_unpark.lua``'s KEYS, in order: all in its partition's slot)."""
         return [
             self.meta(request_id),
             self.readers(request_id),

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 from redis.asyncio import Redis
 
-from service.store import replies, scripts
 from service.store.keys import Keys
 from service.store.pool import STORE_ERRORS
+from service.store.scripts.admit import Admit
+from service.store.scripts.codes import Admitted
+
+__all__ = ["Admitted", "Limits", "free_slots"]
 
 log = logging.getLogger(__name__)
 
@@ -28,19 +29,11 @@ async def free_slots(redis: Redis, ended: Sequence[tuple[str, str]]) -> None:
         log.warning("cannot free admission slots: %s", exc)
 
 
-class Admitted(enum.IntEnum):
-    """``admit.lua``'s verdict."""
-
-    YES = 0
-    TOO_MANY_IN_FLIGHT = 1
-    OVER_RATE = 2
-
-
 class Limits:
     def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
-        self._admit = scripts.register(redis, "admit")
+        self._admit = Admit(redis, keys)
 
     async def admit(
         self,
@@ -55,10 +48,14 @@ class Limits:
         """Count the request against ``who``'s limits (0: none); returns the verdict and,
         when refused, the milliseconds until it may try again. The in-flight slot is freed
         by the script that writes the request's terminal event."""
-        keys = [self.keys.inflight(who), self.keys.rate(who, now_ms // 60_000)]
-        args: list[Any] = [now_ms, max_in_flight, per_minute, request_id, slot_expiry_ms]
-        verdict, *rest = await self._admit(keys=keys, args=args)
-        return Admitted(replies.integer(verdict)), replies.integer(rest[0] if rest else 0)
+        return await self._admit(
+            who,
+            request_id,
+            now_ms=now_ms,
+            max_in_flight=max_in_flight,
+            per_minute=per_minute,
+            slot_expiry_ms=slot_expiry_ms,
+        )
 
     async def hold(self, who: str, request_id: str, *, slot_expiry_ms: int) -> None:
         """Count a request that goes on again (a reader came back to it parked) in flight,

@@ -12,17 +12,21 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
 
 from service.settings import Settings
-from service.store import replies, scripts
+from service.store import replies
 from service.store.commit import Committer
 from service.store.keys import Keys
 from service.store.limits import free_slots
 from service.store.log_reads import LogReader
+from service.store.scripts.append import Append, Appended, AppendScript
+from service.store.scripts.claim import Claim
+from service.store.scripts.codes import AppendReply, ClaimReply, ParkReply
+from service.store.scripts.create import Create
+from service.store.scripts.park import Park
+from service.store.scripts.record_resume import RecordResume
 from service.stream import endings
 from service.stream import events as ev
 from service.stream.endings import Ending, Failure, Recovery
@@ -54,19 +58,19 @@ class RequestExists(LogError):
     """A log with this request id already exists."""
 
 
-def _map_error(exc: ResponseError) -> LogError | ResponseError:
-    text = str(exc)
-    if text.startswith("FENCED"):
-        return Fenced(text)
-    if text.startswith("ENDED"):
-        return AlreadyEnded(text)
-    if text.startswith("GONE"):
-        return LogGone(text)
-    if text.startswith("GAP"):
-        return LogGap(text)
-    if text.startswith("EXISTS"):
-        return RequestExists(text)
-    return exc
+_APPEND_ERRORS: dict[AppendReply, type[LogError]] = {
+    AppendReply.FENCED: Fenced,
+    AppendReply.ENDED: AlreadyEnded,
+    AppendReply.GONE: LogGone,
+    AppendReply.GAP: LogGap,
+    AppendReply.INVALID: LogError,
+}
+
+
+def _appended(reply: Appended) -> list[EventId] | LogError:
+    if reply.code == AppendReply.OK:
+        return reply.ids
+    return _APPEND_ERRORS[reply.code](str(reply))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -106,11 +110,11 @@ class RedisLog(LogReader):
     ) -> None:
         super().__init__(redis, keys, committer)
         self.retention = retention or Retention()
-        self._create = scripts.register(redis, "create")
-        self._claim = scripts.register(redis, "claim")
-        self._append = scripts.register(redis, "append")
-        self._resumed = scripts.register(redis, "resumed")
-        self._park = scripts.register(redis, "park")
+        self._create = Create(redis, keys)
+        self._claim = Claim(redis, keys)
+        self._append = AppendScript(redis, keys)
+        self._resumed = RecordResume(redis, keys)
+        self._park = Park(redis, keys)
 
     async def create(
         self,
@@ -125,34 +129,25 @@ class RedisLog(LogReader):
     ) -> EventId:
         """Write the log's first event; with ``lease`` (token, expiry ms) and ``job`` (an
         encoded queue entry) also the first reader's lease and the job, in the same step."""
-        keys = [
-            self.keys.meta(request_id),
-            self.keys.log(request_id),
-            self.keys.readers(request_id),
-            self.keys.queue_of(request_id),
-        ]
-        token, expiry_ms = lease if lease is not None else ("", 0)
-        args: list[Any] = [
-            ev.encode(created),
-            safety_ttl_s,
-            grace_ms,
-            "1" if detached else "0",
-            token,
-            expiry_ms,
-            job,
-        ]
         partition = self.keys.partition(request_id)
         mark = self.committer.mark(partition)
-        try:
-            raw = await self._create(keys=keys, args=args)
-        except ResponseError as exc:
-            raise _map_error(exc) from None
+        done = await self._create(
+            request_id,
+            ev.encode(created),
+            safety_ttl_s,
+            grace_ms=grace_ms,
+            detached=detached,
+            lease=lease,
+            job=job,
+        )
+        if done.event_id is None:
+            raise RequestExists(f"{done.code} request already exists")
         # accepted only once committed: a creation a failover took back was answered 200,
         # then an in-band ``log_lost``, and the request left no end and no billing row
         # (the 30-minute cluster soak). Not confirmed: the store's error (a 503); the
         # request, if it survived, has no reader and ends as an abandoned one does.
         await self.committer.confirm(partition, mark)
-        return EventId.from_redis(raw)
+        return done.event_id
 
     async def claim(
         self, request_id: str, worker_id: str, entry_id: bytes | str = ""
@@ -161,30 +156,19 @@ class RedisLog(LogReader):
         ``None`` if the request is unknown or already ended, or if
         ``entry_id`` (the queue entry the caller holds) is not the request's current one.
         The same worker claiming again (a retry after a lost reply) keeps its epoch."""
-        entry = replies.text(entry_id)
-        raw = await self._claim(
-            keys=[self.keys.meta(request_id), self.keys.log(request_id)], args=[worker_id, entry]
-        )
-        epoch = replies.integer(raw[0])
-        if epoch <= 0:
+        claimed = await self._claim(request_id, worker_id, replies.text(entry_id))
+        if claimed.code != ClaimReply.OK:
             return None
-        first: tuple[EventId, ev.Created] | None = None
-        if len(raw) > 3:
-            event = ev.decode(raw[3])
-            if isinstance(event, ev.Created):
-                first = (EventId.from_redis(raw[2]), event)
-        return Owner(request_id, epoch, replies.integer(raw[1]), first)
+        return Owner(request_id, claimed.epoch, claimed.events, claimed.first)
 
     async def resumed(self, owner: Owner, reprefill_tokens: int) -> Recovery:
         """The owner continues a request another worker started, prefilling
         ``reprefill_tokens`` again: the request's recovery counts so far, this one included.
         Raises ``Fenced`` if the caller is not the owner any more."""
-        raw = await self._resumed(
-            keys=[self.keys.meta(owner.request_id)], args=[owner.epoch, reprefill_tokens]
-        )
-        if not raw:
+        recovery = await self._resumed(owner.request_id, owner.epoch, reprefill_tokens)
+        if recovery is None:
             raise Fenced(f"request {owner.request_id}: not owned by epoch {owner.epoch}")
-        return Recovery(*(replies.integer(x) for x in raw))
+        return recovery
 
     async def park(self, owner: Owner, entry_id: bytes, discarded: int) -> Parked:
         """Take the owner's request out of its hands, no reader being left (``park.lua``):
@@ -192,16 +176,20 @@ class RedisLog(LogReader):
         ``discarded``: tokens the owner made that are not in the log. Either way the owner
         is fenced out; ``Parked.window_ms`` is when its resume window is over."""
         rid = owner.request_id
-        keys = self.keys.parking(rid)
-        now = int(time.time() * 1000)
         retention = self.retention
-        keep_ms, wait_ms = retention.running_ttl_s * 1000, retention.worker_wait_s * 1000
-        args: list[Any] = [owner.epoch, entry_id, discarded, now, rid, keep_ms, wait_ms]
-        raw = replies.texts(await self._park(keys=keys, args=args))
-        if raw[0] == "PARKED":
-            return Parked(window_ms=int(raw[1]))
-        if raw[0] == "CONTINUED":
-            return Parked(entry_id=raw[1].encode())
+        parking = await self._park(
+            rid,
+            owner.epoch,
+            entry_id,
+            discarded,
+            now_ms=int(time.time() * 1000),
+            keep_ms=retention.running_ttl_s * 1000,
+            wait_ms=retention.worker_wait_s * 1000,
+        )
+        if parking.code == ParkReply.PARKED:
+            return Parked(window_ms=parking.window_ms)
+        if parking.code == ParkReply.CONTINUED:
+            return Parked(entry_id=parking.entry_id)
         raise Fenced(f"request {rid}: not parked by epoch {owner.epoch}")
 
     async def append(
@@ -264,31 +252,7 @@ class RedisLog(LogReader):
     async def _append_queue(
         self, queue: str, items: Sequence[Append]
     ) -> list[list[EventId] | LogError]:
-        partition = self.keys.partition(items[0].request_id)
-        keys: list[str] = [self.keys.outbox(partition), queue]
-        args: list[bytes | str | int] = []
-        for item in items:
-            keys += self.keys.appended(item.request_id)
-            args += [
-                str(item.epoch),
-                "" if item.expect is None else item.expect,
-                item.terminal_state,
-                item.ttl_s,
-                item.summary,
-                item.ack,
-                len(item.events),
-            ]
-            args.extend(ev.encode(e) for e in item.events)
-        raw = await self._append(keys=keys, args=args)  # reloads the script if need be
-        out: list[list[EventId] | LogError] = []
-        for reply in raw:
-            status = replies.text(reply[0])
-            if status == "OK":
-                out.append([EventId.from_redis(r) for r in reply[1:]])
-            else:
-                error = _map_error(ResponseError(status))
-                out.append(error if isinstance(error, LogError) else LogError(status))
-        return out
+        return [_appended(reply) for reply in await self._append(queue, items)]
 
     def terminal(
         self, request_id: str, epoch: int, ending: Ending, *, expect: int | None, ack: bytes
@@ -349,21 +313,6 @@ class RedisLog(LogReader):
             k.scratch(request_id),
             k.tails(request_id),
         )
-
-
-@dataclasses.dataclass(slots=True)
-class Append:
-    """One request's events for ``RedisLog.append_many``."""
-
-    request_id: str
-    epoch: int
-    events: Sequence[ev.Event]
-    terminal_state: str = ""
-    ttl_s: int = 0
-    summary: bytes = b""
-    expect: int | None = None  # entries the log holds before these (None: no check)
-    inflight_key: str = ""  # the API key's in-flight set, freed at the terminal event
-    ack: bytes = b""  # the queue entry to acknowledge (and delete) with the terminal event
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -16,10 +16,9 @@ import uuid
 
 from service.store.control import Control, now_ms
 from service.store.pool import STORE_ERRORS, survived
+from service.store.scripts.codes import LeaseReply
 
 log = logging.getLogger(__name__)
-
-UNPARKED = 2  # lease.lua: the lease is written, and the request was parked: it goes on
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -91,7 +90,7 @@ class Presence:
         except BaseException:  # not written (or cancelled): never refresh it
             self.forget(lease)
             raise
-        lease.unparked = answer == UNPARKED
+        lease.unparked = answer == LeaseReply.UNPARKED
         return lease
 
     async def release(self, lease: Lease) -> None:

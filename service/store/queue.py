@@ -17,7 +17,7 @@ import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from service.store import groups, replies, scripts
+from service.store import groups, replies
 from service.store.keys import (
     JOB_FIELD,
     QUEUE_GROUP,
@@ -25,6 +25,7 @@ from service.store.keys import (
     TAKEOVERS_SUFFIX,
     Keys,
 )
+from service.store.scripts.requeue import Requeued, RequeueScript
 from service.stream.lifecycle import Requeue
 from service.stream.params import SamplingParams
 from service.stream.tools import ToolFormat
@@ -68,15 +69,6 @@ def encode_job(job: Job) -> bytes:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Requeued:
-    """What ``RequestQueue.requeue`` did: the new entry, or (``exhausted``: how many
-    takeovers the request had) nothing because it was lost too often, or neither."""
-
-    entry_id: bytes | None
-    exhausted: int | None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
 class Pending:
     entry_id: bytes
     idle_ms: int
@@ -94,7 +86,7 @@ class RequestQueue:
         self.redis = redis
         self.keys = keys
         self.lanes = tuple(lanes)
-        self._requeue = scripts.register(redis, "requeue")
+        self._requeue = RequeueScript(redis, keys)
 
     async def ensure_group(self) -> None:
         for p in self.keys.all_partitions:
@@ -250,28 +242,14 @@ class RequestQueue:
         with its ``epoch``). ``wait_until_ms``: when the sweeper stops waiting for a worker
         to take a started one (``orphans``). ``max_takeovers``: how many losses a request
         may have been through before it is no longer queued again (``exhausted``)."""
-        raw = await self._requeue(
-            keys=[
-                self.keys.meta(request_id),
-                self.keys.queue_of(request_id),
-                self.keys.orphans_of(request_id),
-            ],
-            args=[
-                entry_id,
-                QUEUE_GROUP,
-                str(why),
-                max_takeovers,
-                "" if epoch is None else epoch,
-                request_id,
-                wait_until_ms,
-            ],
+        return await self._requeue(
+            request_id,
+            entry_id,
+            why,
+            max_takeovers=max_takeovers,
+            epoch=epoch,
+            wait_until_ms=wait_until_ms,
         )
-        if not raw:
-            return Requeued(None, None)
-        status = replies.text(raw[0])
-        if status == "EXHAUSTED":
-            return Requeued(None, replies.integer(raw[1]))
-        return Requeued(replies.text(raw[1]).encode(), None)
 
     async def give_back(self, jobs: list[tuple[bytes, Job]]) -> None:
         """Fresh jobs a read handed this consumer beyond its free slots: queued again in

@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 from redis.asyncio import Redis
 
-from service.store import replies, scripts
+from service.store import replies
 from service.store.commit import Committer
 from service.store.keys import LOG_FIELD, Keys
 from service.store.mailbox import Batch
 from service.store.pool import STORE_ERRORS, survived
+from service.store.scripts.follow import Follow
 from service.stream import events as ev
 from service.stream.ids import EventId
 
@@ -84,7 +85,7 @@ class Shard:
         self._reregister = False  # after a store error: every followed log again
         self._ended: set[str] = set()  # logs read to their end (their tails set is gone)
         self._swept = time.monotonic()
-        self._follow = scripts.register(redis, "follow")
+        self._follow = Follow(redis, keys)
         self._task = asyncio.get_running_loop().create_task(self._run(), name="log-tailer")
         self.reads = 0
         self.stuck_s = block_ms / 1000 + committer.timeout_ms / 1000 + STUCK_MARGIN_S
@@ -153,13 +154,10 @@ class Shard:
         self._wake_pending = False
         register, self._register = self._register, set()
         leave, self._unregister = self._unregister, {}
-        keys = [self._wake_key]
-        for key in register:
-            rid = self._rids[key]
-            keys += [self._keys.meta(rid), self._keys.tails(rid), key]
-        keys += leave.values()
         try:
-            await self._follow(keys=keys, args=[len(register)])
+            await self._follow(
+                self._wake_key, [(self._rids[key], key) for key in register], leave.values()
+            )
         except Exception as exc:  # noqa: BLE001 - the loop registers all again
             survived("tail registration", exc)
             self._reregister = True

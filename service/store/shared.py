@@ -8,8 +8,9 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from service.store import replies, scripts
+from service.store import replies
 from service.store.keys import Keys
+from service.store.scripts.unbind_idempotency import UnbindIdempotency
 
 
 async def stream_token_secret(redis: Redis, keys: Keys) -> bytes:
@@ -26,7 +27,7 @@ class IdempotencyKeys:
         self.redis = redis
         self.keys = keys
         self.ttl_s = ttl_s
-        self._release = scripts.register(redis, "unclaim")
+        self._release = UnbindIdempotency(redis, keys)
 
     async def claim(
         self, principal: str, key: str, request_id: str, digest: str
@@ -48,4 +49,4 @@ class IdempotencyKeys:
     async def release(self, principal: str, key: str, request_id: str) -> None:
         """Unbind ``key`` if it is still bound to ``request_id`` (its request was refused:
         a retry with the same key must be able to try again)."""
-        await self._release(keys=[self.keys.idempotency(principal, key)], args=[request_id])
+        await self._release(principal, key, request_id)

@@ -75,7 +75,7 @@ ABORT_REASON = {State.CANCELLED: FinishReason.CANCELLED, State.ABANDONED: Finish
 
 
 class Verdict(enum.IntEnum):
-    """What ``check.lua`` answers the owner about one running request. A negative
+    """What ``owner_verdicts.lua`` answers the owner about one running request. A negative
     answer is not a member: it is ``-ms`` until the grace period runs out."""
 
     KEEP_GOING = 0
@@ -133,7 +133,7 @@ class Step(enum.StrEnum):
     CANCEL = "cancel"  # cancel.lua
     REQUEUE = "requeue"  # requeue.lua: queued again for another worker (lost, handover)
     PARK = "park"  # park.lua: its owner takes it out of the engine, no reader being left
-    UNPARK = "unpark"  # lease.lua: a reader came back to a parked request, which goes on
+    UNPARK = "unpark"  # lease_and_unpark.lua: a reader came back to a parked request, which goes on
 
 
 # (state before, step) -> the states the step may leave the request in. A pair that is

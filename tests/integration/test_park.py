@@ -1,5 +1,5 @@
-"""Parking in a real Redis: ``check.lua``'s park verdict, ``park.lua`` (parked, or -- a
-reader came back meanwhile -- queued again at once), and ``lease.lua`` making a parked
+"""Parking in a real Redis: ``owner_verdicts.lua``'s park verdict, ``park.lua`` (parked, or -- a
+reader came back meanwhile -- queued again at once), and ``lease_and_unpark.lua`` making a parked
 request go on once, however many readers come back."""
 
 from __future__ import annotations

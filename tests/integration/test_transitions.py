@@ -198,11 +198,11 @@ async def test_the_other_scripts_change_no_state(
     try:
         r = Request(redis, keys)
         await r.make(before)
-        await r.control.check([r.rid], park_after_ms=0)  # check.lua
-        if before != State.PARKED:  # (lease.lua's unpark is a step of the table: above)
-            lease = await Presence(r.control).acquire(r.rid)  # lease.lua
+        await r.control.check([r.rid], park_after_ms=0)  # owner_verdicts.lua
+        if before != State.PARKED:  # (lease_and_unpark.lua's unpark is a step of the table: above)
+            lease = await Presence(r.control).acquire(r.rid)  # lease_and_unpark.lua
             await lease.release()  # leave.lua
-        with contextlib.suppress(Fenced):  # resumed.lua: only a running request's owner
+        with contextlib.suppress(Fenced):  # record_resume.lua: only a running request's owner
             await r.log.resumed(Owner(r.rid, await r.epoch(), 0), 3)
         follow = scripts.register(redis, "follow")
         wake = keys.wake(keys.partition(r.rid), "t")

@@ -1,9 +1,12 @@
 """The Lua scripts, and the one loader that gives them their names.
 
-Every script is a package file here. ``register`` prepends a prelude: the request
-states, verdicts and meta-hash fields from ``service/stream/lifecycle.py`` and the
-entry field names from ``service/store/keys.py``, so a script never spells one of
-them itself (``tests/unit/test_layout.py`` fails if it does).
+Every script is a package file here, ``<name>.lua``, with its typed face beside it,
+``<name>.py``: the one place that builds its KEYS and ARGV and decodes its reply (into
+its enum of ``codes.py``, or a small frozen struct). Only a face runs its script
+(``tests/unit/test_layout.py`` fails otherwise). ``register`` prepends a prelude: the
+request states, verdicts and meta-hash fields from ``service/stream/lifecycle.py``, the
+reply codes from ``codes.py`` and the entry field names from ``service/store/keys.py``,
+so a script never spells one of them itself (the layout test fails if it does).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from service.store.keys import (
     TAKEOVERS_SUFFIX,
     WAKE_BATCHED,
 )
+from service.store.scripts.codes import lua_table
 from service.stream.lifecycle import lua_prelude
 
 WAKE_MAXLEN = 10_000  # entries of a tail shard's wake stream, at most (about)
@@ -36,16 +40,16 @@ NAMES = (
     "admit",
     "append",
     "cancel",
-    "check",
     "claim",
     "create",
     "follow",
-    "lease",
+    "lease_and_unpark",
     "leave",
+    "owner_verdicts",
     "park",
+    "record_resume",
     "requeue",
-    "resumed",
-    "unclaim",
+    "unbind_idempotency",
 )
 
 
@@ -67,7 +71,15 @@ def prelude() -> str:
         f"local TAKEOVERS = '{TAKEOVERS_SUFFIX}'\n"
         f"local TAKEOVER_ENTRY = '{TAKEOVER_ENTRY.decode()}'\n"
     )
-    return lua_prelude() + f"local F = {{{table}}}\n" + group + takeovers + NOTIFY + ENTRIES
+    return (
+        lua_prelude()
+        + lua_table()
+        + f"local F = {{{table}}}\n"
+        + group
+        + takeovers
+        + NOTIFY
+        + ENTRIES
+    )
 
 
 # Tell the tail shards following a log that it changed: each shard's wake stream gets the

@@ -11,10 +11,10 @@
 -- check), terminal state ('' if not terminal), TTL in seconds applied to its keys when
 -- terminal, encoded Summary for the outbox ('' if none), the queue entry the terminal event
 -- acknowledges and deletes ('' if none), number of events n, the n events
--- Returns one array per request: {'OK', <entry id>...}, or {'FENCED ...'} (not the
--- owner) / {'ENDED ...'} (already terminal) / {'GAP ...'} (the log does not hold what the
--- caller wrote: Redis lost data) / {'GONE ...'} (Redis lost the whole request) /
--- {'INVALID ...'} (no terminal state), which leave that request untouched (the states a
+-- Returns one array per request: {REPLY.APPEND_OK, <entry id>...}, or {<code>, <detail>}:
+-- REPLY.APPEND_FENCED (not the owner) / _ENDED (already terminal) / _GAP (the log does not
+-- hold what the caller wrote: Redis lost data) / _GONE (Redis lost the whole request) /
+-- _INVALID (no terminal state), which leave that request untouched (the states a
 -- step may go from and to: the prelude's T and TERMINAL, from lifecycle.TRANSITIONS). The same append
 -- sent again (its reply was lost) is not written twice: it answers the ids it got.
 local out = {}
@@ -33,26 +33,26 @@ while a <= #ARGV do
   local state = meta[2]
   local have = tonumber(meta[3] or '0')
   if not meta[1] and not meta[2] then
-    out[#out + 1] = {'GONE the request is not in Redis any more'}
+    out[#out + 1] = {REPLY.APPEND_GONE, 'the request is not in Redis any more'}
   elseif meta[1] ~= epoch then
-    out[#out + 1] = {'FENCED owner epoch is ' .. tostring(meta[1]) .. ', not ' .. epoch}
+    out[#out + 1] = {REPLY.APPEND_FENCED, 'owner epoch is ' .. tostring(meta[1]) .. ', not ' .. epoch}
   elseif expect ~= '' and have == tonumber(expect) + n and n > 0 then
     -- already written by this very call: answer its ids again
-    local ids = {'OK'}
+    local ids = {REPLY.APPEND_OK}
     local written = redis.call('XREVRANGE', log_key, '+', '-', 'COUNT', n)
     for i = #written, 1, -1 do ids[#ids + 1] = written[i][1] end
     out[#out + 1] = ids
   elseif TERMINAL[state] then
-    out[#out + 1] = {'ENDED request already ' .. state}
+    out[#out + 1] = {REPLY.APPEND_ENDED, 'request already ' .. state}
   elseif terminal ~= '' and not TERMINAL[terminal] then
-    out[#out + 1] = {'INVALID ' .. terminal .. ' is not a terminal state'}
+    out[#out + 1] = {REPLY.APPEND_INVALID, terminal .. ' is not a terminal state'}
   elseif (terminal == '' and not T.append[state])
       or (terminal ~= '' and not (T.ending[state] or {})[terminal]) then
-    out[#out + 1] = {'FENCED the request is ' .. tostring(state) .. ', not owned'}
+    out[#out + 1] = {REPLY.APPEND_FENCED, 'the request is ' .. tostring(state) .. ', not owned'}
   elseif expect ~= '' and have ~= tonumber(expect) then
-    out[#out + 1] = {'GAP the log holds ' .. have .. ' entries, not ' .. expect}
+    out[#out + 1] = {REPLY.APPEND_GAP, 'the log holds ' .. have .. ' entries, not ' .. expect}
   else
-    local ids = {'OK'}
+    local ids = {REPLY.APPEND_OK}
     for i = first, last do
       ids[#ids + 1] = redis.call('XADD', log_key, '*', F.event, ARGV[i])
     end

@@ -6,11 +6,11 @@
 -- ARGV[5] the End and Summary for a parked request, made from a log of ARGV[6] entries
 -- (its ending counts the log's tokens), ARGV[7] the request id
 -- (The caller frees the request's admission slot when it ended here: another slot.)
--- Returns {outcome, detail}: {'missing'}; {<terminal state>} (no-op);
--- {'cancelled', <end id>} (it was queued or parked: ended here, no engine will see it);
--- {'cancelling', <owner>} (running: its owner aborts it); {'stale'} (parked, but its log
--- is not the one the parked ending was made from: make it again).
-if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
+-- Returns {outcome, detail}: {REPLY.CANCEL_MISSING}; {<terminal state>} (no-op);
+-- {S.CANCELLED, <end id>} (it was queued or parked: ended here, no engine will see it);
+-- {REPLY.CANCEL_CANCELLING, <owner>} (running: its owner aborts it); {REPLY.CANCEL_STALE}
+-- (parked, but its log is not the one the parked ending was made from: make it again).
+if redis.call('EXISTS', KEYS[1]) == 0 then return {REPLY.CANCEL_MISSING} end
 local m = redis.call('HMGET', KEYS[1], M.state, M.epoch, M.owner, M.events)
 local state = m[1]
 if not T.cancel[state] then
@@ -20,7 +20,7 @@ local ending, summary = nil, nil
 if state == S.QUEUED and m[2] == '0' then
   ending, summary = ARGV[1], ARGV[3]
 elseif state == S.PARKED then
-  if ARGV[4] == '' or m[4] ~= ARGV[6] then return {'stale'} end
+  if ARGV[4] == '' or m[4] ~= ARGV[6] then return {REPLY.CANCEL_STALE} end
   ending, summary = ARGV[4], ARGV[5]
 end
 if ending then
@@ -39,4 +39,4 @@ if ending then
   return {S.CANCELLED, id}
 end
 redis.call('HSET', KEYS[1], M.cancel, 1)
-return {'cancelling', m[3] or ''}
+return {REPLY.CANCEL_CANCELLING, m[3] or ''}

@@ -6,13 +6,14 @@
 -- ARGV[3] resume grace in ms, ARGV[4] '1' if detached (runs with no reader),
 -- ARGV[5] reader lease token ('' for none), ARGV[6] its expiry (ms),
 -- ARGV[7] encoded job ('' to enqueue nothing)
--- Returns the created event's id. Run again with the same arguments (a retry after a lost
--- reply), it changes nothing and returns the same id.
+-- Returns {REPLY.CREATE_OK, the created event's id}; {REPLY.CREATE_EXISTS} if another
+-- request has the id. Run again with the same arguments (a retry after a lost reply), it
+-- changes nothing and returns the same id.
 if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 1 then
   -- the same call again (its reply was lost): the log starts with this very event
   local first = redis.call('XRANGE', KEYS[2], '-', '+', 'COUNT', 1)[1]
-  if first and first[2][2] == ARGV[1] then return first[1] end
-  return redis.error_reply('EXISTS request already exists')
+  if first and first[2][2] == ARGV[1] then return {REPLY.CREATE_OK, first[1]} end
+  return {REPLY.CREATE_EXISTS}
 end
 local id = redis.call('XADD', KEYS[2], '*', F.event, ARGV[1])
 redis.call('HSET', KEYS[1], M.epoch, 0, M.state, S.QUEUED, M.last, id,
@@ -27,4 +28,4 @@ if ARGV[7] ~= '' then
   local entry = redis.call('XADD', KEYS[4], '*', F.job, ARGV[7])
   redis.call('HSET', KEYS[1], M.entry, entry)
 end
-return id
+return {REPLY.CREATE_OK, id}

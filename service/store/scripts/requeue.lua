@@ -11,23 +11,23 @@
 -- ARGV[1] the old entry id, ARGV[2] the consumer group, ARGV[3] R.LOST | R.HANDOVER,
 -- ARGV[4] the most takeovers allowed, ARGV[5] the caller's owner epoch ('' for the
 -- sweeper), ARGV[6] the request id, ARGV[7] when to stop waiting for a worker (ms)
--- Returns {'OK', new entry id}; {'EXHAUSTED', takeovers} when it was lost too often; or
--- false when the request is not waiting behind that entry (claimed by another, ended,
+-- Returns {REPLY.REQUEUE_OK, new entry id}; {REPLY.REQUEUE_EXHAUSTED, takeovers} when it
+-- was lost too often; or {REPLY.REQUEUE_REFUSED} when the request is not waiting behind that entry (claimed by another, ended,
 -- queued again already, or the caller is not its owner any more).
 local m = redis.call('HMGET', KEYS[1], M.state, M.epoch, M.entry, M.takeovers, M.owner)
 local state = m[1]
-if not T.requeue[state] or (m[3] and m[3] ~= ARGV[1]) then return false end
-if ARGV[5] ~= '' and m[2] ~= ARGV[5] then return false end
+if not T.requeue[state] or (m[3] and m[3] ~= ARGV[1]) then return {REPLY.REQUEUE_REFUSED} end
+if ARGV[5] ~= '' and m[2] ~= ARGV[5] then return {REPLY.REQUEUE_REFUSED} end
 local started = state == S.RUNNING
-if not started and m[2] ~= '0' then return false end
+if not started and m[2] ~= '0' then return {REPLY.REQUEUE_REFUSED} end
 -- a continuation nobody claimed yet (a frozen worker's blocked read was handed it): it
 -- moves to a new entry, but no worker was lost with it
 local lost = started and (m[5] or '') ~= ''
 if lost and ARGV[3] == R.LOST and tonumber(m[4] or '0') >= tonumber(ARGV[4]) then
-  return {'EXHAUSTED', tonumber(m[4] or '0')}
+  return {REPLY.REQUEUE_EXHAUSTED, tonumber(m[4] or '0')}
 end
 local job = job_of(KEYS[2], ARGV[1])
-if not job then return false end
+if not job then return {REPLY.REQUEUE_REFUSED} end
 local entry = requeue_job(KEYS[2], job)
 redis.call('HSET', KEYS[1], M.entry, entry)
 if lost then
@@ -41,4 +41,4 @@ if lost then
   redis.call('ZADD', KEYS[3], ARGV[7], ARGV[6])
 end
 ack_entry(KEYS[2], ARGV[1])
-return {'OK', entry}
+return {REPLY.REQUEUE_OK, entry}
