@@ -21,9 +21,9 @@ from service.store.commit import Committer
 from service.store.keys import Keys
 from service.store.local import LocalFeed
 from service.store.log import RedisLog
-from service.store.models import parse_lora_modules
 from service.store.outbox import Outbox
 from service.store.pool import warm
+from service.store.registry import parse_lora_modules
 from service.tokenize import ModelInfo
 from workers.engines.base import Engine
 from workers.metrics import serve_metrics

@@ -14,7 +14,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Collection
 
-from service.store.control import Control
+from service.store.owner import OwnerChannel
 from service.store.pool import STORE_ERRORS, survived
 from service.stream.lifecycle import State
 from workers.decide import Abort, RecheckIn, plan
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 class PresenceWatch:
     def __init__(
         self,
-        control: Control,
+        owner: OwnerChannel,
         worker_id: str,
         *,
         check_s: float,
@@ -35,7 +35,7 @@ class PresenceWatch:
         decide: Callable[[str, State], None],
     ) -> None:
         """``undecided()``: the running requests with no decision yet; ``decide``: abort one."""
-        self.control = control
+        self.owner = owner
         self.worker_id = worker_id
         self.check_s = check_s
         self.silent_s = silent_s  # the control channel's node may be silent this long
@@ -67,7 +67,7 @@ class PresenceWatch:
 
     async def check_one(self, rid: str) -> None:
         try:
-            verdict = (await self.control.check([rid], self.park_after_ms)).get(rid, 0)
+            verdict = (await self.owner.check([rid], self.park_after_ms)).get(rid, 0)
         except STORE_ERRORS as exc:
             log.warning("presence check of %s failed: %s", rid, exc)
             return
@@ -85,7 +85,7 @@ class PresenceWatch:
         while True:
             await asyncio.sleep(self.check_s)
             try:
-                verdicts = await self.control.check(list(self._undecided()), self.park_after_ms)
+                verdicts = await self.owner.check(list(self._undecided()), self.park_after_ms)
             except Exception as exc:  # noqa: BLE001 - the watch must go on
                 survived("a presence check", exc)
                 continue
@@ -94,7 +94,7 @@ class PresenceWatch:
 
     async def _listen(self) -> None:
         """Cancels (and nudges) published to this worker's channel, acted on at once."""
-        async for verb, rid in self.control.messages(self.worker_id, silent_s=self.silent_s):
+        async for verb, rid in self.owner.messages(self.worker_id, silent_s=self.silent_s):
             if verb == "cancel":
                 self._decide(rid, State.CANCELLED)
             elif verb == "check" and rid in self._undecided():

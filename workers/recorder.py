@@ -26,7 +26,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from service.ledger.ledger import Ledger
-from service.store.limits import free_slots
+from service.store.admission import free_slots
 from service.store.log import RedisLog
 from service.store.outbox import Entry, Outbox
 from service.store.pool import STORE_ERRORS

@@ -25,15 +25,16 @@ from redis.exceptions import RedisError
 from service.settings import Settings
 from service.store import commit
 from service.store.batcher import AppendBatcher
-from service.store.control import Control
 from service.store.heartbeats import Heartbeat, Heartbeats
 from service.store.keys import Keys, model_lane
 from service.store.liveness import Announcer
 from service.store.local import LocalFeed
 from service.store.log import RedisLog, Retention
-from service.store.models import ModelRegistry, parse_lora_modules
+from service.store.owner import OwnerChannel
 from service.store.pool import survived
 from service.store.queue import Job, RequestQueue
+from service.store.readers import Readers
+from service.store.registry import ModelRegistry, parse_lora_modules
 from service.stream.lifecycle import State
 from service.tokenize import ModelInfo
 from workers.engines.base import Engine
@@ -68,7 +69,8 @@ class Runner:
         self.registry = ModelRegistry(redis, keys)
         self.queue = RequestQueue(redis, keys, ["", *(model_lane(m) for m in self.models)])
         self.heartbeats = Heartbeats(redis, keys)
-        self.control = Control(redis, keys)
+        self.owner = OwnerChannel(redis, keys)
+        self.readers = Readers(redis, keys)
         # held while this process lives: the API processes see it go the moment it dies
         self.announcer = Announcer(
             redis, keys, settings.worker_id, self._beat, silent_s=settings.redis_silent_s
@@ -78,7 +80,7 @@ class Runner:
         )
         self.generation = Generation(engine, model, self.batcher, settings.request_deadline_s)
         self.watch = PresenceWatch(
-            self.control,
+            self.owner,
             settings.worker_id,
             check_s=settings.presence_check_s,
             # (an engine that cannot continue a request keeps it running for its window)
@@ -91,7 +93,7 @@ class Runner:
             settings,
             self.log,
             self.queue,
-            self.control,
+            self.readers,
             self.batcher,
             self.generation,
             self.watch.forget,

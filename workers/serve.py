@@ -22,13 +22,13 @@ import msgspec
 from redis.exceptions import RedisError
 
 from service.settings import Settings
+from service.store.admission import free_slots
 from service.store.batcher import AppendBatcher
-from service.store.control import Control
-from service.store.limits import free_slots
 from service.store.log import AlreadyEnded, Fenced, LogError, LogGap, LogGone, Owner, RedisLog
 from service.store.outbox import Outbox
 from service.store.pool import STORE_ERRORS, UNREACHABLE
 from service.store.queue import Job, RequestQueue, wait_for_takeover
+from service.store.readers import Readers
 from service.stream import endings
 from service.stream.endings import Failure, FencedOut, HandOver, Park, Recovery
 from service.stream.events import Delta
@@ -65,7 +65,7 @@ class Serve:
         settings: Settings,
         log_: RedisLog,
         queue: RequestQueue,
-        control: Control,
+        readers: Readers,
         batcher: AppendBatcher,
         generation: Generation,
         forget: Callable[[str], None],
@@ -73,7 +73,7 @@ class Serve:
         self.settings = settings
         self.log = log_
         self.queue = queue
-        self.control = control
+        self.readers = readers
         self.outbox = Outbox(log_.redis, log_.keys)
         self.batcher = batcher
         self.generation = generation
@@ -210,7 +210,7 @@ class Serve:
         """The most completion tokens a reader got, if none is there now (None: one is, or
         Redis cannot say: then only what came after the abort decision is wasted)."""
         try:
-            delivery = await self.control.delivery(rid)
+            delivery = await self.readers.delivery(rid)
         except STORE_ERRORS:
             return None
         return None if delivery.present else delivery.delivered

@@ -12,8 +12,8 @@ from typing import Any
 
 from service.errors import ApiError, ServiceUnavailable
 from service.settings import Settings
+from service.store.admission import Admitted, Limits
 from service.store.heartbeats import Heartbeats
-from service.store.limits import Admitted, Limits
 
 
 class RateLimited(ApiError):

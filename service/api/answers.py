@@ -25,7 +25,7 @@ from service.api.readers import (
 from service.api.schemas import ResponsesRequest
 from service.api.submit import Accepted
 from service.errors import ApiError
-from service.store.presence import Lease
+from service.store.readers import Lease
 from service.stream import resume, sse
 from service.stream.lifecycle import State
 from service.stream.render import error_object

@@ -45,17 +45,15 @@ from service.ledger.audit import Audit
 from service.ledger.ledger import Ledger, PostgresUnavailable, make_engine
 from service.settings import Settings
 from service.store import commit, pool, tail
+from service.store.admission import IdempotencyKeys, Limits
 from service.store.commit import Committer
-from service.store.control import Control
 from service.store.heartbeats import Heartbeats
 from service.store.keys import Keys
-from service.store.limits import Limits
 from service.store.local import LocalFeed
 from service.store.log import RedisLog, Retention
-from service.store.models import ModelRegistry
 from service.store.pool import UNREACHABLE, warm
-from service.store.presence import Presence
-from service.store.shared import IdempotencyKeys
+from service.store.readers import Presence, Readers
+from service.store.registry import ModelRegistry
 from service.store.tail import LogTailer
 from service.tokenize import ModelInfo
 
@@ -273,7 +271,7 @@ def _context(
     redis, tail_redis, committer = stores
     keys = committer.keys
     retention = Retention.of(settings)
-    control = Control(redis, keys, retention)
+    readers = Readers(redis, keys, retention)
     return Context(
         settings=settings,
         redis=redis,
@@ -288,9 +286,8 @@ def _context(
             settings.worker_stale_s,
         ),
         ledger=ledger,
-        control=control,
         presence=Presence(
-            control, lease_ttl_s=settings.lease_ttl_s, refresh_s=settings.lease_refresh_s
+            readers, lease_ttl_s=settings.lease_ttl_s, refresh_s=settings.lease_refresh_s
         ),
         auth=Authenticator(
             key_store,

@@ -30,7 +30,7 @@ async def cancel_request(ctx: Context, principal: Principal, request_id: str) ->
         endings.Request(request_id, first, created.prompt_tokens, now_ms)
     )
     deadline = time.monotonic() + ctx.settings.cancel_wait_s
-    outcome = await ctx.control.cancel(request_id, queued)
+    outcome = await ctx.log.cancel(request_id, queued)
     while True:
         if outcome.outcome == CancelReply.MISSING:
             raise no_such_request(request_id)
@@ -45,7 +45,7 @@ async def cancel_request(ctx: Context, principal: Principal, request_id: str) ->
             # parked (before the cancel, or while its worker was being told): ended here,
             # with the ending of the log as it is
             parked = await _parked(ctx, request_id)
-            outcome = await ctx.control.cancel(request_id, queued, parked)
+            outcome = await ctx.log.cancel(request_id, queued, parked)
             continue
         await asyncio.sleep(0.02)
 

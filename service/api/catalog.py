@@ -15,8 +15,8 @@ import logging
 from service.errors import ModelNotFound
 from service.store.heartbeats import Heartbeats
 from service.store.keys import model_lane
-from service.store.models import Declared, ModelRegistry
 from service.store.queue import RequestQueue
+from service.store.registry import Declared, ModelRegistry
 from service.tokenize import ModelInfo
 
 log = logging.getLogger(__name__)

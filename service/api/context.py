@@ -16,10 +16,9 @@ from service.api.tokens import StreamTokens
 from service.ledger.audit import Audit
 from service.ledger.ledger import Ledger
 from service.settings import Settings
-from service.store.control import Control
+from service.store.admission import IdempotencyKeys
 from service.store.log import RedisLog
-from service.store.presence import Presence
-from service.store.shared import IdempotencyKeys, stream_token_secret
+from service.store.readers import Presence, stream_token_secret
 from service.store.tail import LogTailer
 from service.tokenize import ModelInfo
 
@@ -55,7 +54,6 @@ class Context:
     model: ModelInfo  # the default model (a request without ``model``)
     catalog: Catalog  # every model this process answers for
     ledger: Ledger | None
-    control: Control
     presence: Presence
     auth: Authenticator
     admission: Admission

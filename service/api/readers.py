@@ -25,10 +25,9 @@ from service.api.metrics import READERS, RETURNS
 from service.api.response_input import kept
 from service.api.seats import Seat, SeatsFull
 from service.store.keys import principal as who
-from service.store.mailbox import IDLE, Batch, Interrupted, LogLost
+from service.store.mailbox import IDLE, Batch, Interrupted, LogLost, Subscription
 from service.store.pool import STORE_ERRORS
-from service.store.presence import Lease
-from service.store.tail import Subscription
+from service.store.readers import Lease
 from service.stream import endings, sse
 from service.stream.events import Created, End, Error, Event, Progress
 from service.stream.ids import Cursor, EventId

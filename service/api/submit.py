@@ -17,8 +17,8 @@ from service.api.intake import IDEMPOTENCY_HEADER, Idempotency, Submission
 from service.api.request_ids import REQUEST_ID_HEADER, new_request_id, no_such_request
 from service.errors import Unprocessable
 from service.store.keys import principal as who
-from service.store.presence import Lease
 from service.store.queue import Job, encode_job
+from service.store.readers import Lease
 from service.stream.events import Created
 
 REPLAYED_HEADER = "Idempotent-Replayed"  # the answer is that of an earlier POST (Stripe's name)

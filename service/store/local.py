@@ -18,13 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
 
 from service.store.commit import Committer
-from service.store.mailbox import Batch
-
-if TYPE_CHECKING:
-    from service.store.tail import LogTailer, Subscription
+from service.store.mailbox import Batch, Subscription, Tailer
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +31,7 @@ class LocalFeed:
     def __init__(self) -> None:
         self._owned: set[str] = set()
         self._subs: dict[str, set[Subscription]] = {}
-        self._tailer: LogTailer | None = None
+        self._tailer: Tailer | None = None
         # flushes waiting for their barrier, in order: (marks, what each wrote, released)
         self._committing: asyncio.Queue[
             tuple[dict[int, str], list[tuple[str, Batch]], list[str]]
@@ -43,7 +39,7 @@ class LocalFeed:
         self._committer: asyncio.Task[None] | None = None
         self.delivered = 0  # entries handed to readers from memory (tests, metrics)
 
-    def bind(self, tailer: LogTailer) -> None:
+    def bind(self, tailer: Tailer) -> None:
         self._tailer = tailer
 
     # -- the worker's side ---------------------------------------------------------------

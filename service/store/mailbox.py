@@ -1,11 +1,16 @@
 """What a tail shard hands a reader: batches of a log's entries, and the markers a reader
 acts on (``IDLE``: send a keepalive; ``Interrupted``: tell the client to reconnect;
-``LogLost``: say so in band) -- in a one-consumer mailbox per reader."""
+``LogLost``: say so in band) -- in a one-consumer mailbox per reader, the queue of its
+``Subscription``. The shards (``shard.py``), the node's feed (``local.py``) and the
+tailer (``tail.py``) all import this; it imports none of them (``Tailer`` is what a
+subscription and the feed need of the tailer)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from typing import Protocol
 
 from service.stream import events as ev
 from service.stream.ids import EventId
@@ -72,3 +77,66 @@ class Mailbox:
             finally:
                 self._waiter = None
         return self._items.pop(0)
+
+
+_START = EventId(0, 0)
+
+
+class Tailer(Protocol):
+    """What a subscription and the node's feed ask of the tailer (``tail.LogTailer``)."""
+
+    def unsubscribe(self, sub: Subscription) -> None: ...
+
+    def to_local(self, request_id: str) -> None: ...
+
+    def to_redis(self, subs: set[Subscription]) -> None: ...
+
+
+class Subscription:
+    """One reader's view of one log: an async iterator of event batches."""
+
+    def __init__(
+        self,
+        tailer: Tailer,
+        request_id: str,
+        after: EventId | None,
+        *,
+        keepalive: bool,
+        interruptible: bool,
+    ) -> None:
+        self.tailer = tailer
+        self.request_id = request_id
+        self.position = after or _START
+        self.keepalive = keepalive
+        self.interruptible = interruptible
+        self.queue = Mailbox()
+        self.local = False  # fed by the node's worker (``local.py``), not a shard
+        self.held: Batch | None = None  # fed while its read back is on its way
+        self.ended = False  # its log's end was handed over
+        self.attached = 0  # times put on the feed: a read back serves its own attachment
+
+    async def batches(self) -> AsyncIterator[Batch]:
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self.tailer.unsubscribe(self)
+
+    def offer(self, entries: Batch) -> None:
+        """Queue what is newer than this reader's position (the tailer's reads, or a
+        reader's own catch-up read: whichever comes second is filtered)."""
+        fresh = [(eid, e) for eid, e in entries if eid > self.position]
+        if fresh:
+            self.position = fresh[-1][0]
+            self.ended = isinstance(fresh[-1][1], ev.End)
+            self.queue.put_nowait(fresh)
+
+    def offer_local(self, entries: Batch) -> None:
+        """The node's worker's entries: held while the read back is on its way."""
+        if self.held is not None:
+            self.held.extend(entries)
+        else:
+            self.offer(entries)

@@ -8,21 +8,18 @@ import contextlib
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from redis.asyncio import Redis
 
 from service.store import replies
 from service.store.commit import Committer
 from service.store.keys import LOG_FIELD, Keys
-from service.store.mailbox import Batch
+from service.store.mailbox import Batch, Subscription
 from service.store.pool import STORE_ERRORS, survived
 from service.store.scripts.follow import Follow
 from service.stream import events as ev
 from service.stream.ids import EventId
-
-if TYPE_CHECKING:
-    from service.store.tail import Subscription
 
 log = logging.getLogger(__name__)
 

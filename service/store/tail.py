@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 from redis.asyncio import Redis
 
@@ -28,73 +28,20 @@ from service.store import replies
 from service.store.commit import Committer, Durability
 from service.store.keys import Keys
 from service.store.local import LocalFeed
-from service.store.mailbox import IDLE, Batch, Interrupted, LogLost, Mailbox
+from service.store.mailbox import IDLE, Interrupted, LogLost, Subscription
 from service.store.pool import STORE_ERRORS, is_cluster, survived
 from service.store.shard import Shard, decoded
-from service.stream import events as ev
 from service.stream.ids import EventId
 
 log = logging.getLogger(__name__)
 
 SWEEP_S = 1.0  # a shard reads all of its logs this often (what a lost notification costs)
 
-_START = EventId(0, 0)
-
 
 def longest_block_s(block_ms: int) -> float:
     """The longest a shard's blocked read waits by itself (its socket timeout is this plus
     ``LASTEVENT_REDIS_SILENT_S``): it blocks until its next sweep at most."""
     return min(block_ms / 1000, SWEEP_S) + 0.01
-
-
-class Subscription:
-    """One reader's view of one log: an async iterator of event batches."""
-
-    def __init__(
-        self,
-        tailer: LogTailer,
-        request_id: str,
-        after: EventId | None,
-        *,
-        keepalive: bool,
-        interruptible: bool,
-    ) -> None:
-        self.tailer = tailer
-        self.request_id = request_id
-        self.position = after or _START
-        self.keepalive = keepalive
-        self.interruptible = interruptible
-        self.queue = Mailbox()
-        self.local = False  # fed by the node's worker (``local.py``), not a shard
-        self.held: Batch | None = None  # fed while its read back is on its way
-        self.ended = False  # its log's end was handed over
-        self.attached = 0  # times put on the feed: a read back serves its own attachment
-
-    async def batches(self) -> AsyncIterator[Batch]:
-        while True:
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
-    def close(self) -> None:
-        self.tailer.unsubscribe(self)
-
-    def offer(self, entries: Batch) -> None:
-        """Queue what is newer than this reader's position (the tailer's reads, or a
-        reader's own catch-up read: whichever comes second is filtered)."""
-        fresh = [(eid, e) for eid, e in entries if eid > self.position]
-        if fresh:
-            self.position = fresh[-1][0]
-            self.ended = isinstance(fresh[-1][1], ev.End)
-            self.queue.put_nowait(fresh)
-
-    def offer_local(self, entries: Batch) -> None:
-        """The node's worker's entries: held while the read back is on its way."""
-        if self.held is not None:
-            self.held.extend(entries)
-        else:
-            self.offer(entries)
 
 
 class LogTailer:

@@ -2,7 +2,7 @@
 sockets stay open, no RST, no reply -- is given up after a bounded time, never waited on
 for ever: a command raises the store's timeout, the worker's named connection and its
 control channel are pinged and made again (``service/store/pool.py``, ``liveness.py``,
-``control.py``). A Redis of the test's own, frozen for real."""
+``owner.py``). A Redis of the test's own, frozen for real."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from service.store.control import Control
 from service.store.keys import Keys
 from service.store.liveness import Announcer
+from service.store.owner import OwnerChannel
 from service.store.pool import STORE_ERRORS, connect
 from tests.servers import OwnRedis
 from tests.waiting import eventually
@@ -75,7 +75,7 @@ async def test_the_worker_connections_give_up_a_frozen_redis_and_come_back(
     got: list[tuple[str, str]] = []
 
     async def listen() -> None:
-        async for message in Control(redis, keys).messages(worker, silent_s=SILENT_S):
+        async for message in OwnerChannel(redis, keys).messages(worker, silent_s=SILENT_S):
             got.append(message)
 
     caplog.set_level(logging.WARNING)

@@ -14,8 +14,8 @@ from service.api.request_ids import new_request_id
 from service.store.heartbeats import Heartbeat, Heartbeats
 from service.store.keys import Keys, model_lane
 from service.store.log import RedisLog
-from service.store.models import ModelRegistry
 from service.store.queue import Job, RequestQueue, encode_job
+from service.store.registry import ModelRegistry
 from service.stream import events as ev
 from service.stream.events import Kind
 from service.stream.params import SamplingParams

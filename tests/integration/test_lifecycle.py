@@ -11,7 +11,6 @@ import pytest
 from redis.asyncio import Redis
 
 from service.store import replies, scripts
-from service.store.control import Control
 from service.store.keys import END_ID_FIELD, EVENT_FIELD, JOB_FIELD, SUMMARY_FIELD, Keys
 from service.store.log import RedisLog
 from service.stream import endings
@@ -61,7 +60,7 @@ async def test_the_scripts_write_the_python_names(redis: Redis, key_prefix: str)
         assert {replies.text(k) for k in raw} <= {m.value for m in Meta}
         assert replies.text(replies.field(raw, Meta.STATE)) == State.QUEUED
         queued = endings.cancelled_queued(endings.Request(rid, None, 1, 0))
-        outcome = await Control(redis, keys).cancel(rid, queued)
+        outcome = await RedisLog(redis, keys).cancel(rid, queued)
         assert outcome.outcome == State.CANCELLED
         meta = await log.meta(rid)
         assert meta is not None and meta.state == State.CANCELLED

@@ -26,8 +26,8 @@ from service.store.batcher import AppendBatcher
 from service.store.keys import Keys
 from service.store.local import LocalFeed
 from service.store.log import Owner, RedisLog
-from service.store.mailbox import Batch
-from service.store.tail import LogTailer, Subscription
+from service.store.mailbox import Batch, Subscription
+from service.store.tail import LogTailer
 from service.stream import events as ev
 from service.stream.ids import EventId
 from tests.integration.conftest import finished

@@ -11,11 +11,11 @@ import pytest
 from redis.asyncio import Redis
 
 from service.store import replies
-from service.store.control import Control
 from service.store.keys import TAKEOVER_ENTRY, Keys
 from service.store.log import Owner, RedisLog
-from service.store.presence import Presence
+from service.store.owner import OwnerChannel
 from service.store.queue import Job, RequestQueue, encode_job
+from service.store.readers import Presence, Readers
 from service.stream import events as ev
 from service.stream.lifecycle import Meta, State, Verdict
 from service.stream.params import SamplingParams
@@ -51,7 +51,7 @@ async def test_the_owner_is_told_to_park_after_the_delay_or_to_abandon(
     rlog: RedisLog, redis: Redis, keys: Keys
 ) -> None:
     queue = RequestQueue(redis, keys)
-    control = Control(redis, keys)
+    control = OwnerChannel(redis, keys)
     long_window, _ = await running(rlog, queue, grace_ms=60_000)
     short_window, _ = await running(rlog, queue, grace_ms=200)
     for rid in (long_window, short_window):
@@ -76,7 +76,7 @@ async def test_one_check_decides_each_of_many_requests_as_alone(
     beside it dropped, the moment it was left forgotten), a reader whose lease lapsed
     (left since then), one Redis lost (not made again)."""
     queue = RequestQueue(redis, keys)
-    control = Control(redis, keys)
+    control = OwnerChannel(redis, keys)
     rids = [(await running(rlog, queue, grace_ms=60_000))[0] for _ in range(5)]
     cancelled, detached, live, lapsed, lost = rids
     now = int(time.time() * 1000)
@@ -110,7 +110,7 @@ async def test_park_keeps_the_job_and_a_returning_reader_makes_it_go_on_once(
     assert await redis.xlen(keys.queue_of(rid)) == 0  # its entry acked and deleted
     assert await redis.zscore(keys.parked_of(rid), rid) == parked.window_ms
     assert await rlog.claim(rid, "w2", entry) is None  # nothing to take over
-    presence = Presence(Control(redis, keys))
+    presence = Presence(Readers(redis, keys))
     back = [await presence.acquire(rid) for _ in range(3)]  # three readers come back
     assert [lease.unparked for lease in back] == [True, False, False]
     assert await field(redis, keys, rid, Meta.STATE) == State.RUNNING
@@ -134,7 +134,7 @@ async def test_a_reader_back_as_it_is_parked_makes_it_go_on_at_once(
     rlog: RedisLog, redis: Redis, keys: Keys
 ) -> None:
     rid, entry, owner = await claimed(rlog, redis, keys)
-    await Presence(Control(redis, keys)).acquire(rid)  # back before the park was written
+    await Presence(Readers(redis, keys)).acquire(rid)  # back before the park was written
     parked = await rlog.park(owner, entry, 0)
     assert parked.window_ms is None and parked.entry_id is not None
     assert await field(redis, keys, rid, Meta.STATE) == State.RUNNING

@@ -31,9 +31,9 @@ from service.store.log import (
     RedisLog,
     RequestExists,
 )
-from service.store.mailbox import Batch
+from service.store.mailbox import Batch, Subscription
 from service.store.queue import Job, RequestQueue, encode_job
-from service.store.tail import LogTailer, Subscription
+from service.store.tail import LogTailer
 from service.stream import events as ev
 from service.stream.ids import EventId
 from service.stream.params import SamplingParams
@@ -550,10 +550,9 @@ async def test_terminal_append_without_events_points_the_outbox_at_the_last_entr
 async def test_a_lease_that_could_not_be_written_is_not_kept(redis: Redis, keys: Keys):
     """A reader that goes away while its lease is being written (or a Redis error then)
     must not leave a lease this process refreshes for ever."""
-    from service.store.control import Control
-    from service.store.presence import Presence
+    from service.store.readers import Presence, Readers
 
-    control = Control(redis, keys)
+    control = Readers(redis, keys)
     presence = Presence(control)
 
     async def failing(*_a: object, **_k: object) -> None:

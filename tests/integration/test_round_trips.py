@@ -26,7 +26,6 @@ import pytest
 from redis.asyncio import Redis
 
 from service.store.batcher import AppendBatcher
-from service.store.control import Control
 from service.store.keys import QUEUE_GROUP, Keys
 from service.store.log import (
     AlreadyEnded,
@@ -36,8 +35,8 @@ from service.store.log import (
     Owner,
     RedisLog,
 )
-from service.store.presence import Presence
 from service.store.queue import Job, RequestQueue, encode_job
+from service.store.readers import Presence, Readers
 from service.stream import events as ev
 from service.stream.lifecycle import Meta
 from service.stream.params import SamplingParams
@@ -333,7 +332,7 @@ async def meta_field(redis: Redis, keys: Keys, request_id: str, field: Meta) -> 
 async def test_a_released_lease_leaves_and_an_ended_one_does_not(
     rlog: RedisLog, redis: Redis, keys: Keys
 ) -> None:
-    presence = Presence(Control(redis, keys))
+    presence = Presence(Readers(redis, keys))
     left_id, _ = await new_request(rlog)
     ended_id, _ = await new_request(rlog)
     left = await presence.acquire(left_id)
@@ -362,7 +361,7 @@ async def test_a_lease_released_after_the_end_does_not_touch_the_ended_request(
     rlog: RedisLog, redis: Redis, keys: Keys, batcher: AppendBatcher
 ) -> None:
     """The real order: the end drops the readers set; the reader that got it releases."""
-    presence = Presence(Control(redis, keys))
+    presence = Presence(Readers(redis, keys))
     request_id, owner = await new_request(rlog)
     lease = await presence.acquire(request_id)
     await batcher.end(owner, finished(owner, delta(1), END))

@@ -11,7 +11,6 @@ from redis.asyncio import Redis
 
 from service.api.sweeper import Sweeper
 from service.settings import Settings
-from service.store.control import Control
 from service.store.heartbeats import Heartbeat, Heartbeats
 from service.store.keys import QUEUE_GROUP, TAKEOVER_ENTRY, Keys
 from service.store.log import Fenced, Recovery, RedisLog
@@ -273,7 +272,7 @@ async def test_fresh_jobs_a_read_handed_beyond_the_slots_go_back_to_the_front(
     handed = await queue.read(0, "busy", count=2, block_ms=100)
     assert [j.request_id for _, j in handed] == rids[:2]
     cancelled = endings.cancelled_queued(endings.Request(rids[1], None, 1, 0))
-    assert (await Control(redis, keys).cancel(rids[1], cancelled)).outcome == State.CANCELLED
+    assert (await RedisLog(redis, keys).cancel(rids[1], cancelled)).outcome == State.CANCELLED
     await queue.give_back(handed)
     assert (await redis.xpending(keys.queue(0), QUEUE_GROUP))["pending"] == 0
     got = await queue.read(0, "idle", count=1, block_ms=100)

@@ -18,11 +18,11 @@ import pytest
 from redis.asyncio import Redis
 
 from service.store import replies, scripts
-from service.store.control import Control
 from service.store.keys import Keys
 from service.store.log import Fenced, LogError, Owner, RedisLog, RequestExists
-from service.store.presence import Presence
+from service.store.owner import OwnerChannel
 from service.store.queue import Job, RequestQueue, encode_job
+from service.store.readers import Presence, Readers
 from service.stream import endings
 from service.stream import events as ev
 from service.stream.lifecycle import TERMINAL_STATES, TRANSITIONS, Meta, Requeue, State, Step
@@ -42,7 +42,8 @@ class Request:
         self.keys = keys
         self.log = RedisLog(redis, keys)
         self.queue = RequestQueue(redis, keys)
-        self.control = Control(redis, keys)
+        self.readers = Readers(redis, keys)
+        self.owner = OwnerChannel(redis, keys)
         self.rid = f"chatcmpl-{uuid.uuid4().hex}"
         self.entry = b""
 
@@ -56,7 +57,7 @@ class Request:
         if state == State.QUEUED:
             return
         if state == State.CANCELLED:  # a queued request's cancel
-            assert (await self.control.cancel(self.rid, queued(self.rid))).outcome == state
+            assert (await self.log.cancel(self.rid, queued(self.rid))).outcome == state
             return
         owner = await self.log.claim(self.rid, "w1", self.entry)
         assert owner is not None
@@ -121,7 +122,7 @@ def ending(state: State) -> Callable[[Request], Awaitable[bool]]:
 async def cancel(r: Request) -> bool:
     meta = await r.log.meta(r.rid)
     parked = endings.cancelled_parked(endings.Request(r.rid, None, 2, 0), 0)
-    outcome = await r.control.cancel(r.rid, queued(r.rid), (parked, meta.events if meta else 0))
+    outcome = await r.log.cancel(r.rid, queued(r.rid), (parked, meta.events if meta else 0))
     # ended here (with its end's id), or flagged for its owner; else it answers the state
     return outcome.outcome == "cancelling" or (
         outcome.outcome == State.CANCELLED and outcome.detail is not None
@@ -144,7 +145,7 @@ async def park(r: Request) -> bool:
 
 async def unpark(r: Request) -> bool:
     """A reader comes (back) to it: the lease's script goes on with a parked request."""
-    return (await Presence(r.control).acquire(r.rid)).unparked
+    return (await Presence(r.readers).acquire(r.rid)).unparked
 
 
 STEPS = [
@@ -198,9 +199,9 @@ async def test_the_other_scripts_change_no_state(
     try:
         r = Request(redis, keys)
         await r.make(before)
-        await r.control.check([r.rid], park_after_ms=0)  # owner_verdicts.lua
+        await r.owner.check([r.rid], park_after_ms=0)  # owner_verdicts.lua
         if before != State.PARKED:  # (lease_and_unpark.lua's unpark is a step of the table: above)
-            lease = await Presence(r.control).acquire(r.rid)  # lease_and_unpark.lua
+            lease = await Presence(r.readers).acquire(r.rid)  # lease_and_unpark.lua
             await lease.release()  # leave.lua
         with contextlib.suppress(Fenced):  # record_resume.lua: only a running request's owner
             await r.log.resumed(Owner(r.rid, await r.epoch(), 0), 3)

@@ -14,7 +14,7 @@ from service.errors import NotFound
 from service.settings import Settings
 from service.store.heartbeats import Heartbeat
 from service.store.keys import Keys, lane_of, model_lane
-from service.store.models import parse_lora_modules
+from service.store.registry import parse_lora_modules
 from service.stream.events import Kind
 
 names = st.text(min_size=1, max_size=80)

@@ -16,7 +16,7 @@ from service.api.catalog import unknown_model
 from service.api.context import Context
 from service.api.schemas import ErrorResponse, error_responses
 from service.store import commit, pool
-from service.store.models import Declared
+from service.store.registry import Declared
 
 _STARTED = int(time.time())
 VERSION = importlib.metadata.version("lastevent")

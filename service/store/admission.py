@@ -1,18 +1,23 @@
-"""Per-key limits in Redis, across API replicas: requests in flight and per minute."""
+"""Admission, across API replicas: per-key limits (requests in flight and per minute,
+``admit.lua``), the freeing of an ended request's in-flight slot, and the requests made
+under an ``Idempotency-Key`` (``unbind_idempotency.lua`` frees a key of a refused one)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 from redis.asyncio import Redis
 
+from service.store import replies
 from service.store.keys import Keys
 from service.store.pool import STORE_ERRORS
 from service.store.scripts.admit import Admit
 from service.store.scripts.codes import Admitted
+from service.store.scripts.unbind_idempotency import UnbindIdempotency
 
-__all__ = ["Admitted", "Limits", "free_slots"]
+__all__ = ["Admitted", "IdempotencyKeys", "Limits", "free_slots"]
 
 log = logging.getLogger(__name__)
 
@@ -61,3 +66,35 @@ class Limits:
         """Count a request that goes on again (a reader came back to it parked) in flight,
         without a check: it was admitted once, and is never refused now."""
         await self.redis.zadd(self.keys.inflight(who), {request_id: slot_expiry_ms})
+
+
+class IdempotencyKeys:
+    """``Idempotency-Key`` -> the request it created, for ``ttl_s``."""
+
+    def __init__(self, redis: Redis, keys: Keys, ttl_s: int) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.ttl_s = ttl_s
+        self._release = UnbindIdempotency(redis, keys)
+
+    async def claim(
+        self, principal: str, key: str, request_id: str, digest: str
+    ) -> tuple[str, str] | None:
+        """Bind ``key`` to ``request_id`` (and the body's ``digest``); if it is bound
+        already, the (request id, digest) it is bound to."""
+        value = f"{request_id} {digest}"
+        name = self.keys.idempotency(principal, key)
+        if await self.redis.set(name, value, nx=True, ex=self.ttl_s):
+            return None
+        raw: Any = await self.redis.get(name)
+        if raw is None:  # expired in between: try once more
+            if await self.redis.set(name, value, nx=True, ex=self.ttl_s):
+                return None
+            raw = await self.redis.get(name)
+        rid, _, bound_digest = replies.text(raw or b"").partition(" ")
+        return rid, bound_digest
+
+    async def release(self, principal: str, key: str, request_id: str) -> None:
+        """Unbind ``key`` if it is still bound to ``request_id`` (its request was refused:
+        a retry with the same key must be able to try again)."""
+        await self._release(principal, key, request_id)

@@ -1,9 +1,13 @@
-"""An API process's reader leases: add on connect, refresh in bulk, remove on disconnect.
+"""Readers of request logs: their leases, their presence, their stream tokens.
 
 Every connected reader holds a lease in the request's ``readers`` sorted set (scored
-by expiry). ``Presence`` adds it on connect, refreshes all of the process's leases in
-one pipelined round trip every ``refresh_s``, and removes it on disconnect (recording
+by expiry). ``Readers`` writes them (``lease_and_unpark.lua``, ``leave.lua``: a reader
+that comes back to a parked request makes it go on) and says how far they got;
+``Presence`` keeps an API process's leases: it adds one on connect, refreshes all of them
+in one pipelined round trip every ``refresh_s``, and removes it on disconnect (recording
 when the last reader left). A crashed API process's leases lapse after ``lease_ttl_s``.
+A reader proves which stream it may read with a token signed by ``stream_token_secret``.
+(The owner's side -- its verdicts, its channel -- is ``owner.py``.)
 """
 
 from __future__ import annotations
@@ -12,13 +16,83 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import secrets
+import time
 import uuid
+from collections.abc import Sequence
 
-from service.store.control import Control, now_ms
+from redis.asyncio import Redis
+
+from service.store import replies
+from service.store.keys import Keys
+from service.store.log import Retention
 from service.store.pool import STORE_ERRORS, survived
 from service.store.scripts.codes import LeaseReply
+from service.store.scripts.lease_and_unpark import LeaseAndUnpark
+from service.store.scripts.leave import Leave
+from service.stream.lifecycle import Meta
 
 log = logging.getLogger(__name__)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+async def stream_token_secret(redis: Redis, keys: Keys) -> bytes:
+    """The secret every API process signs stream tokens with: made by the first to ask."""
+    await redis.set(keys.stream_token_secret, secrets.token_hex(32), nx=True)
+    raw = await redis.get(keys.stream_token_secret)
+    return replies.text(raw).encode()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Delivery:
+    """How far a request's readers got, for the waste count at its end."""
+
+    delivered: int  # the most completion tokens any reader's connection was sent
+    present: bool  # a reader holds a live lease now
+
+
+class Readers:
+    """The readers' leases of every request, bound to a client."""
+
+    def __init__(self, redis: Redis, keys: Keys, retention: Retention | None = None) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.retention = retention or Retention()
+        self._lease = LeaseAndUnpark(redis, keys)
+        self._leave = Leave(redis, keys)
+
+    async def lease(
+        self, leases: Sequence[tuple[str, str, int]], expiry_ms: int
+    ) -> list[LeaseReply]:
+        """Write (or refresh) leases -- (request id, reader token, tokens delivered) --
+        in one pipelined round trip. Each answers ENDED (the request ended or is gone),
+        LEASED, or UNPARKED: the request was parked, and goes on now
+        (``lease_and_unpark.lua``)."""
+        return await self._lease(
+            leases,
+            expiry_ms,
+            now_ms=now_ms(),
+            keep_ms=self.retention.running_ttl_s * 1000,
+            wait_ms=self.retention.worker_wait_s * 1000,
+        )
+
+    async def leave(self, rid: str, token: str, delivered: int) -> int:
+        """Drop a lease; returns how many live leases are left. When none is, the owner
+        is nudged so that it times the grace period from now instead of polling for it."""
+        left, owner_id = await self._leave(rid, token, now_ms(), delivered)
+        if left == 0 and owner_id:
+            await self.redis.publish(self.keys.control(owner_id), f"check:{rid}")
+        return left
+
+    async def delivery(self, rid: str) -> Delivery:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hget(self.keys.meta(rid), Meta.DELIVERED)
+        pipe.zcount(self.keys.readers(rid), now_ms(), "+inf")
+        delivered, present = await pipe.execute()
+        return Delivery(replies.integer(delivered), replies.integer(present) > 0)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -51,10 +125,12 @@ def _log_failed_leave(task: asyncio.Future[int]) -> None:
 
 
 class Presence:
+    """An API process's leases: tracked here, written through ``readers``."""
+
     def __init__(
-        self, control: Control, *, lease_ttl_s: float = 10.0, refresh_s: float = 3.0
+        self, readers: Readers, *, lease_ttl_s: float = 10.0, refresh_s: float = 3.0
     ) -> None:
-        self.control = control
+        self.readers = readers
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
         self.refresh_s = refresh_s
         self._leases: set[Lease] = set()
@@ -86,7 +162,7 @@ class Presence:
         (``lease.unparked``)."""
         lease = self.track(request_id)
         try:
-            [answer] = await self.control.lease([(request_id, lease.token, 0)], self.expiry_ms())
+            [answer] = await self.readers.lease([(request_id, lease.token, 0)], self.expiry_ms())
         except BaseException:  # not written (or cancelled): never refresh it
             self.forget(lease)
             raise
@@ -100,7 +176,7 @@ class Presence:
         if lease.ended:
             return
         leaving = asyncio.ensure_future(
-            self.control.leave(lease.request_id, lease.token, lease.delivered)
+            self.readers.leave(lease.request_id, lease.token, lease.delivered)
         )
         leaving.add_done_callback(_log_failed_leave)  # (an error after a cancelled wait)
         # shielded: a reader's task is often being cancelled (client gone) right now; a
@@ -116,7 +192,7 @@ class Presence:
         for lease in [le for le in self._leases if not le.adopted and le.taken_ms < stale]:
             self._leases.discard(lease)  # never adopted: it has lapsed in Redis
         leases = [(le.request_id, le.token, le.delivered) for le in self._leases if le.adopted]
-        await self.control.lease(leases, self.expiry_ms())
+        await self.readers.lease(leases, self.expiry_ms())
 
     async def _run(self) -> None:
         while True:
