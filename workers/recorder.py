@@ -26,7 +26,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from service.ledger.ledger import Ledger
-from service.store.admission import free_slots
+from service.store.admission import Slot, free_slots
 from service.store.log import RedisLog
 from service.store.outbox import Entry, Outbox
 from service.store.pool import STORE_ERRORS
@@ -169,9 +169,10 @@ class Recorder:
         if self.crash_after_insert:
             os._exit(17)  # committed, not acked: the entry must be delivered again
         # the admission slot, in case the process that wrote the end died before freeing it
-        if summary.tenant is not None:
-            slot = self.outbox.keys.inflight_of(summary.tenant, summary.api_key_id)
-            await free_slots(self.outbox.redis, [(slot, summary.request_id)])
+        keys, rid = self.outbox.keys, summary.request_id
+        await free_slots(
+            self.outbox.redis, [Slot.of(keys, rid, summary.tenant, summary.api_key_id)]
+        )
         await self.outbox.ack(partition, entry_id)
         RECORD_DURATION.observe(time.monotonic() - started)
 

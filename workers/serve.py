@@ -22,7 +22,7 @@ import msgspec
 from redis.exceptions import RedisError
 
 from service.settings import Settings
-from service.store.admission import free_slots
+from service.store.admission import Slot, free_slots
 from service.store.batcher import AppendBatcher
 from service.store.log import AlreadyEnded, Fenced, LogError, LogGap, LogGone, Owner, RedisLog
 from service.store.outbox import Outbox
@@ -277,8 +277,8 @@ class Serve:
         log.info("request %s: parked (no reader left)", job.request_id)
         if owner.first is not None:  # a parked request holds no slot of its key's
             created = owner.first[1]
-            slot = self.log.keys.inflight_of(created.tenant, created.api_key_id)
-            await free_slots(self.log.redis, [(slot, job.request_id)])
+            slot = Slot.of(self.log.keys, job.request_id, created.tenant, created.api_key_id)
+            await free_slots(self.log.redis, [slot])
 
     async def _record_lost(self, job: Job, owner: Owner | None) -> None:
         """Redis lost the request (a restart without persistence): no terminal event can be

@@ -125,7 +125,7 @@ async def submit(
         listed=sub.listed,
     )
     settings = ctx.settings
-    safety_ttl_s = int(settings.hot_log_ttl_s + 2 * settings.request_deadline_s)
+    safety_ttl_s = ctx.log.retention.running_ttl_s  # (``Retention``: the one TTL arithmetic)
     job = Job(
         request_id=rid,
         prompt_token_ids=sub.prompt_token_ids,

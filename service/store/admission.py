@@ -5,8 +5,8 @@ under an ``Idempotency-Key`` (``unbind_idempotency.lua`` frees a key of a refuse
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 from redis.asyncio import Redis
 
@@ -17,17 +17,35 @@ from service.store.scripts.admit import Admit
 from service.store.scripts.codes import Admitted
 from service.store.scripts.unbind_idempotency import UnbindIdempotency
 
-__all__ = ["Admitted", "IdempotencyKeys", "Limits", "free_slots"]
+__all__ = ["Admitted", "IdempotencyKeys", "Limits", "Slot", "free_slots"]
 
 log = logging.getLogger(__name__)
 
 
-async def free_slots(redis: Redis, ended: Sequence[tuple[str, str]]) -> None:
-    """Free ended requests' admission slots -- (in-flight set, request id) -- in one
-    pipelined round trip. (Idempotent: the recorder frees them again.)"""
+class Slot(NamedTuple):
+    """A request's admission slot: its id in its API key's in-flight set."""
+
+    inflight_key: str
+    request_id: str
+
+    @classmethod
+    def of(cls, keys: Keys, request_id: str, tenant: str | None, key_id: str | None) -> Slot | None:
+        """The slot of ``request_id``, sent by ``tenant`` with ``key_id`` (None: who sent it
+        is not known any more -- its log's ``created`` is gone)."""
+        if tenant is None:
+            return None
+        return cls(keys.inflight_of(tenant, key_id), request_id)
+
+
+async def free_slots(redis: Redis, slots: Iterable[Slot | None]) -> None:
+    """Free requests' admission slots in one pipelined round trip: the one way a slot is
+    freed -- by the ending's write (``RedisLog.append_many``, ``RedisLog.cancel``), a park
+    (a parked request holds none) and the recorder (again, for an ending whose writer
+    died before it freed the slot: this is idempotent)."""
     pipe = redis.pipeline(transaction=False)
-    for inflight_key, rid in ended:
-        pipe.zrem(inflight_key, rid)
+    for slot in slots:
+        if slot is not None:
+            pipe.zrem(slot.inflight_key, slot.request_id)
     try:
         await pipe.execute()
     except STORE_ERRORS as exc:  # the ends are written: the recorder frees them

@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 
 from service.settings import Settings
 from service.store import replies
-from service.store.admission import free_slots
+from service.store.admission import Slot, free_slots
 from service.store.commit import Committer, Durability
 from service.store.keys import EVENT_FIELD, Keys
 from service.store.scripts.append import Append, Appended, AppendScript
@@ -248,8 +248,9 @@ class RedisLog:
     ) -> list[EventId]:
         """The append script as it is: ``expect``: the entries the log must hold before
         these (``None``: no check); a terminal append (``terminal_state``) carries its
-        TTL, outbox ``summary`` and ``inflight_key`` (the API key's in-flight set, freed
-        with it). Ending a request is ``end``: it works those out from the ending."""
+        TTL, outbox ``summary`` and ``inflight_key`` (the API key's in-flight set: its slot
+        is freed with it). Ending a request is ``end``: it works those out from the ending
+        (``closing``)."""
         item = Append(
             request_id, epoch, events, terminal_state, ttl_s, summary, expect, inflight_key
         )
@@ -276,7 +277,7 @@ class RedisLog:
         # refused is already ended, or will be; only a fenced-out owner's end, or a worker
         # that dies right here, frees a slot early.
         ended = [
-            (item.inflight_key, item.request_id)
+            Slot(item.inflight_key, item.request_id)
             for item in items
             if item.terminal_state and item.inflight_key
         ]
@@ -303,21 +304,24 @@ class RedisLog:
         summary for the outbox, how long the finished log stays (``Retention``), the
         admission slot it frees and the queue entry ``ack`` it acknowledges -- all worked
         out here, from the ending, for every caller."""
-        summary = ending.summary
-        inflight = ""
-        if summary.tenant is not None:  # (None: the log's created is gone, and who sent it)
-            inflight = self.keys.inflight_of(summary.tenant, summary.api_key_id)
+        closing = self.closing(request_id, ending.summary)
         return Append(
             request_id,
             epoch,
             ending.events,
             terminal_state=ending.state,
-            ttl_s=self.retention.ttl_s(summary),
-            summary=ev.encode_summary(summary),
+            ttl_s=closing.ttl_s,
+            summary=ev.encode_summary(ending.summary),
             expect=expect,
-            inflight_key=inflight,
+            inflight_key=closing.slot.inflight_key if closing.slot is not None else "",
             ack=ack,
         )
+
+    def closing(self, request_id: str, summary: ev.Summary) -> Closing:
+        """What an ending carries besides its events, worked out here only: how long the
+        finished log stays (``Retention``) and the admission slot its write frees."""
+        slot = Slot.of(self.keys, request_id, summary.tenant, summary.api_key_id)
+        return Closing(self.retention.ttl_s(summary), slot)
 
     async def end(self, request_id: str, epoch: int, ending: Ending, *, ack: bytes = b"") -> None:
         """Write ``ending`` (the one terminal write; a worker's go through its batcher).
@@ -353,11 +357,10 @@ class RedisLog:
         when the log has others by now). ``cancel.lua`` writes the one that applies, with
         its outbox entry; its TTL and admission slot from it, as ``end``. A running
         request's owner is told on its channel (``owner.py``), and aborts it."""
-        summary = queued.summary
-        outcome = await self._cancel(rid, queued, parked, self.retention.ttl_s(summary))
-        if outcome.outcome == State.CANCELLED and outcome.detail and summary.tenant is not None:
-            inflight = self.keys.inflight_of(summary.tenant, summary.api_key_id)
-            await free_slots(self.redis, [(inflight, rid)])  # ended here
+        closing = self.closing(rid, queued.summary)
+        outcome = await self._cancel(rid, queued, parked, closing.ttl_s)
+        if outcome.outcome == State.CANCELLED and outcome.detail:
+            await free_slots(self.redis, [closing.slot])  # ended here
         if outcome.outcome == CancelReply.CANCELLING and outcome.detail:
             await self.redis.publish(self.keys.control(outcome.detail), f"cancel:{rid}")
         return outcome
@@ -481,6 +484,15 @@ class RedisLog:
         await self._committed(request_id, mark)
         entries = _entries(raw)
         return entries[0] if entries else None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Closing:
+    """An ending's TTL (its log's and meta's, from the end) and the admission slot its
+    write frees (None: who sent the request is gone with its ``created``)."""
+
+    ttl_s: int
+    slot: Slot | None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

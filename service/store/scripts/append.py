@@ -26,7 +26,9 @@ class Append:
     ttl_s: int = 0
     summary: bytes = b""
     expect: int | None = None  # entries the log holds before these (None: no check)
-    inflight_key: str = ""  # the API key's in-flight set, freed at the terminal event
+    # the API key's in-flight set whose slot the terminal event frees (``RedisLog.closing``;
+    # not in the script: the set is in another cluster slot)
+    inflight_key: str = ""
     ack: bytes = b""  # the queue entry to acknowledge (and delete) with the terminal event
 
 
