@@ -127,9 +127,8 @@ def _log_failed_leave(task: asyncio.Future[int]) -> None:
 class Presence:
     """An API process's leases: tracked here, written through ``readers``."""
 
-    def __init__(
-        self, readers: Readers, *, lease_ttl_s: float = 10.0, refresh_s: float = 3.0
-    ) -> None:
+    def __init__(self, readers: Readers, *, lease_ttl_s: float, refresh_s: float) -> None:
+        """``lease_ttl_s``, ``refresh_s``: Settings' ``lease_ttl_s``, ``lease_refresh_s``."""
         self.readers = readers
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
         self.refresh_s = refresh_s

@@ -10,6 +10,7 @@ import uuid
 import pytest
 from redis.asyncio import Redis
 
+from service.settings import Settings
 from service.store import replies
 from service.store.keys import TAKEOVER_ENTRY, Keys
 from service.store.log import Owner, RedisLog
@@ -19,6 +20,9 @@ from service.store.readers import Presence, Readers
 from service.stream import events as ev
 from service.stream.lifecycle import Meta, State, Verdict
 from service.stream.params import SamplingParams
+
+DEFAULTS = Settings()  # the numbers a process takes unless told (LASTEVENT_*)
+LEASES = {"lease_ttl_s": DEFAULTS.lease_ttl_s, "refresh_s": DEFAULTS.lease_refresh_s}
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -110,7 +114,7 @@ async def test_park_keeps_the_job_and_a_returning_reader_makes_it_go_on_once(
     assert await redis.xlen(keys.queue_of(rid)) == 0  # its entry acked and deleted
     assert await redis.zscore(keys.parked_of(rid), rid) == parked.window_ms
     assert await rlog.claim(rid, "w2", entry) is None  # nothing to take over
-    presence = Presence(Readers(redis, keys))
+    presence = Presence(Readers(redis, keys), **LEASES)
     back = [await presence.acquire(rid) for _ in range(3)]  # three readers come back
     assert [lease.unparked for lease in back] == [True, False, False]
     assert await field(redis, keys, rid, Meta.STATE) == State.RUNNING
@@ -134,7 +138,7 @@ async def test_a_reader_back_as_it_is_parked_makes_it_go_on_at_once(
     rlog: RedisLog, redis: Redis, keys: Keys
 ) -> None:
     rid, entry, owner = await claimed(rlog, redis, keys)
-    await Presence(Readers(redis, keys)).acquire(rid)  # back before the park was written
+    await Presence(Readers(redis, keys), **LEASES).acquire(rid)  # back before the park was written
     parked = await rlog.park(owner, entry, 0)
     assert parked.window_ms is None and parked.entry_id is not None
     assert await field(redis, keys, rid, Meta.STATE) == State.RUNNING

@@ -41,6 +41,7 @@ from tests.integration.conftest import finished
 from tests.waiting import eventually
 
 DEFAULTS = Settings()  # the numbers a process takes unless told (LASTEVENT_*)
+LEASES = {"lease_ttl_s": DEFAULTS.lease_ttl_s, "refresh_s": DEFAULTS.lease_refresh_s}
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -553,7 +554,7 @@ async def test_a_lease_that_could_not_be_written_is_not_kept(redis: Redis, keys:
     from service.store.readers import Presence, Readers
 
     control = Readers(redis, keys)
-    presence = Presence(control)
+    presence = Presence(control, **LEASES)
 
     async def failing(*_a: object, **_k: object) -> None:
         raise ConnectionError("redis went away")

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
+from service.settings import Settings
 from service.store.batcher import AppendBatcher
 from service.store.keys import QUEUE_GROUP, Keys
 from service.store.log import (
@@ -41,6 +42,9 @@ from service.stream import events as ev
 from service.stream.lifecycle import Meta
 from service.stream.params import SamplingParams
 from tests.integration.conftest import finished
+
+DEFAULTS = Settings()  # the numbers a process takes unless told (LASTEVENT_*)
+LEASES = {"lease_ttl_s": DEFAULTS.lease_ttl_s, "refresh_s": DEFAULTS.lease_refresh_s}
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -332,7 +336,7 @@ async def meta_field(redis: Redis, keys: Keys, request_id: str, field: Meta) -> 
 async def test_a_released_lease_leaves_and_an_ended_one_does_not(
     rlog: RedisLog, redis: Redis, keys: Keys
 ) -> None:
-    presence = Presence(Readers(redis, keys))
+    presence = Presence(Readers(redis, keys), **LEASES)
     left_id, _ = await new_request(rlog)
     ended_id, _ = await new_request(rlog)
     left = await presence.acquire(left_id)
@@ -361,7 +365,7 @@ async def test_a_lease_released_after_the_end_does_not_touch_the_ended_request(
     rlog: RedisLog, redis: Redis, keys: Keys, batcher: AppendBatcher
 ) -> None:
     """The real order: the end drops the readers set; the reader that got it releases."""
-    presence = Presence(Readers(redis, keys))
+    presence = Presence(Readers(redis, keys), **LEASES)
     request_id, owner = await new_request(rlog)
     lease = await presence.acquire(request_id)
     await batcher.end(owner, finished(owner, delta(1), END))

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 from redis.asyncio import Redis
 
+from service.settings import Settings
 from service.store import replies, scripts
 from service.store.keys import Keys
 from service.store.log import Fenced, LogError, Owner, RedisLog, RequestExists
@@ -27,6 +28,9 @@ from service.stream import endings
 from service.stream import events as ev
 from service.stream.lifecycle import TERMINAL_STATES, TRANSITIONS, Meta, Requeue, State, Step
 from service.stream.params import SamplingParams
+
+DEFAULTS = Settings()  # the numbers a process takes unless told (LASTEVENT_*)
+LEASES = {"lease_ttl_s": DEFAULTS.lease_ttl_s, "refresh_s": DEFAULTS.lease_refresh_s}
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -145,7 +149,7 @@ async def park(r: Request) -> bool:
 
 async def unpark(r: Request) -> bool:
     """A reader comes (back) to it: the lease's script goes on with a parked request."""
-    return (await Presence(r.readers).acquire(r.rid)).unparked
+    return (await Presence(r.readers, **LEASES).acquire(r.rid)).unparked
 
 
 STEPS = [
@@ -201,7 +205,7 @@ async def test_the_other_scripts_change_no_state(
         await r.make(before)
         await r.owner.check([r.rid], park_after_ms=0)  # owner_verdicts.lua
         if before != State.PARKED:  # (lease_and_unpark.lua's unpark is a step of the table: above)
-            lease = await Presence(r.readers).acquire(r.rid)  # lease_and_unpark.lua
+            lease = await Presence(r.readers, **LEASES).acquire(r.rid)  # lease_and_unpark.lua
             await lease.release()  # leave.lua
         with contextlib.suppress(Fenced):  # record_resume.lua: only a running request's owner
             await r.log.resumed(Owner(r.rid, await r.epoch(), 0), 3)
