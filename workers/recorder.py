@@ -29,7 +29,7 @@ from service.ledger.ledger import Ledger
 from service.store.admission import Slot, free_slots
 from service.store.log import RedisLog
 from service.store.outbox import Entry, Outbox
-from service.store.pool import STORE_ERRORS
+from service.store.pool import STORE_ERRORS, Backoff
 from service.stream import archive
 from workers.metrics import LEDGER_FAILURES, RECORD_DURATION, RECORD_LAG, RECORDED
 
@@ -75,7 +75,7 @@ class Recorder:
 
     async def _run(self, partition: int) -> None:
         state = _Reading()
-        backoff = 0.2
+        backoff = Backoff(0.2, 5.0)
         while not self._stopping.is_set():
             try:
                 entries = await self._bounded(
@@ -89,24 +89,24 @@ class Recorder:
                         f"recording {entry[0]!r}",
                         self.record_timeout_s,
                     )
-                backoff = 0.2
+                backoff.succeeded()
             except Stalled as exc:
                 log.warning("recorder: stalled (retrying): %s", exc)
                 state.backlog = True
             except STORE_ERRORS as exc:
                 # (an OSError may be Postgres's too: asyncpg's lost connection is one)
-                log.warning("recorder: store error (retrying in %.1fs): %s", backoff, exc)
+                log.warning("recorder: store error (retrying in %.1fs): %s", backoff.next_s, exc)
                 state.backlog = True  # what was read and not acked: read it again first
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                await backoff.wait()
             except Exception:  # Postgres down: keep the entries pending, retry
                 log.warning(
-                    "recorder: ledger write failed (retrying in %.1fs)", backoff, exc_info=True
+                    "recorder: ledger write failed (retrying in %.1fs)",
+                    backoff.next_s,
+                    exc_info=True,
                 )
                 LEDGER_FAILURES.inc()
                 state.backlog = True
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                await backoff.wait()
 
     async def _bounded(self, work: Coroutine[Any, Any, T], what: str, timeout_s: float) -> T:
         """``work``, within ``timeout_s``: else it is cancelled and ``Stalled`` raised, with

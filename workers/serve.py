@@ -26,7 +26,7 @@ from service.store.admission import Slot, free_slots
 from service.store.batcher import AppendBatcher
 from service.store.log import AlreadyEnded, Fenced, LogError, LogGap, LogGone, Owner, RedisLog
 from service.store.outbox import Outbox
-from service.store.pool import STORE_ERRORS, UNREACHABLE
+from service.store.pool import STORE_ERRORS, UNREACHABLE, Backoff
 from service.store.queue import Job, RequestQueue, wait_for_takeover
 from service.store.readers import Readers
 from service.stream import endings
@@ -101,13 +101,12 @@ class Serve:
             with contextlib.suppress(Exception):
                 await self.generation.abort(rid)
             await asyncio.wait(prior)
-        backoff = 0.1
+        backoff = Backoff(0.1, 0.5)  # (a failover is followed within its longest wait)
         # Redis away (a restart, a failover) under a step the batcher does not retry (the
         # claim, a continuation's read): the job is served again -- claimed again by this
         # worker, continued from its log -- once Redis answers, until its deadline
         while not await self._serve_once(entry_id, job):
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 0.5)  # (a failover is followed within this)
+            await backoff.wait()
 
     async def _serve_once(self, entry_id: bytes, job: Job) -> bool:
         """One try at ``job``: False if Redis could not be reached and it is to be tried
@@ -311,7 +310,7 @@ class Serve:
         rid = job.request_id
         with contextlib.suppress(Exception):
             await self.generation.abort(rid)
-        backoff = 0.1
+        backoff = Backoff(0.1, 2.0)
         while True:
             try:
                 if owner is None:  # it failed before (or while) taking ownership
@@ -337,5 +336,4 @@ class Serve:
                     log.exception("giving up ending request %s", rid)
                     return
                 log.warning("could not end request %s yet (retrying)", rid, exc_info=True)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                await backoff.wait()

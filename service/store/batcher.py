@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from service.store.local import LocalFeed
 from service.store.log import LogError, Owner, RedisLog
-from service.store.pool import UNREACHABLE
+from service.store.pool import UNREACHABLE, Backoff
 from service.store.scripts.append import Append
 from service.stream import events as ev
 from service.stream.endings import Ending
@@ -90,7 +90,7 @@ class AppendBatcher:
         return await future
 
     async def _run(self) -> None:
-        backoff = 0.05
+        backoff = Backoff(0.05, self._max_backoff_s)
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
@@ -107,10 +107,9 @@ class AppendBatcher:
                 self._pending[:0] = retry  # first in the next flush, in their order
                 self._wakeup.set()
                 self.retries += 1
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self._max_backoff_s)
+                await backoff.wait()
             else:
-                backoff = 0.05
+                backoff.succeeded()
 
     async def _flush(
         self, batch: list[tuple[Append, Owner, float, asyncio.Future[list[EventId]]]]

@@ -35,8 +35,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from service.store import replies
 from service.store.keys import Keys
+from service.store.pool import Backoff, survived
 from service.store.pool import relearn as relearn_key
-from service.store.pool import survived
 
 log = logging.getLogger(__name__)
 
@@ -133,19 +133,20 @@ class Announcer:
         self.connections = 0  # subscriptions made (tests, logs)
 
     async def run(self) -> None:
-        backoff = 0.02
+        backoff = Backoff(0.02, 1.0)
         while True:
             held = self.connections
             try:
                 await self._hold()
             except Exception as exc:  # noqa: BLE001 - the connection is made again
-                if self.connections > held or backoff == 0.02:  # (once per streak)
+                if (
+                    self.connections > held or backoff.next_s == backoff.first_s
+                ):  # (once per streak)
                     survived("the worker's named connection", exc)
                 await relearn(self.redis, self.keys)
             if self.connections > held:
-                backoff = 0.02  # it had been subscribed: try again at once
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 1.0)
+                backoff.succeeded()  # it had been subscribed: try again at once
+            await backoff.wait()
 
     async def _hold(self) -> None:
         channel = self.keys.alive(self.worker_id)

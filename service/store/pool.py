@@ -131,13 +131,44 @@ def _driver_info() -> dict[str, Any]:
     return {"driver_info": DriverInfo(name="redis-py", lib_version=version("redis"))}
 
 
+class Backoff:
+    """The one retry policy for store calls: wait ``first_s`` after a failure, twice as
+    long after each next one up to ``max_s``, and ``first_s`` again after a success. Used
+    at every layer that retries: the client's own (a command sent again on a new
+    connection: ``client_retry``), the store's loops (a tail shard's reads, the append
+    batcher) and the worker's (serving a job, ending one, the recorder). One instance per
+    retrying loop (it counts that loop's failures)."""
+
+    def __init__(self, first_s: float, max_s: float) -> None:
+        self.first_s = first_s
+        self.max_s = max_s
+        self.next_s = first_s  # the wait after the next failure
+
+    def failed(self) -> float:
+        """The wait after this failure (the next one's doubles)."""
+        wait_s, self.next_s = self.next_s, min(self.next_s * 2, self.max_s)
+        return wait_s
+
+    def succeeded(self) -> None:
+        self.next_s = self.first_s
+
+    async def wait(self) -> None:
+        """Sleep out this failure's wait."""
+        await asyncio.sleep(self.failed())
+
+    def client_retry(self, retries: int) -> Retry:
+        """The same policy as redis-py's: ``retries`` tries at most, the n-th after
+        ``min(max_s, first_s * 2**n)``."""
+        return Retry(ExponentialBackoff(cap=self.max_s, base=self.first_s), retries=retries)
+
+
 def _retry() -> dict[str, Any]:
     """A command whose connection died (Redis restarted: every pooled connection is dead)
     is sent again on a new one, a few times within a fraction of a second. Longer outages
     are the callers' to ride out (the worker's batcher; the API answers 503). Safe: the
     scripts that write are idempotent (``create``, ``claim``, ``append`` by position)."""
     return {
-        "retry": Retry(ExponentialBackoff(cap=0.25, base=0.02), retries=3),
+        "retry": Backoff(0.02, 0.25).client_retry(3),
         "retry_on_error": [RedisConnectionError, RedisTimeoutError],
     }
 

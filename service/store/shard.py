@@ -16,7 +16,7 @@ from service.store import replies
 from service.store.commit import Committer
 from service.store.keys import LOG_FIELD, Keys
 from service.store.mailbox import Batch, Subscription
-from service.store.pool import STORE_ERRORS, survived
+from service.store.pool import STORE_ERRORS, Backoff, survived
 from service.store.scripts.follow import Follow
 from service.stream import events as ev
 from service.stream.ids import EventId
@@ -160,7 +160,7 @@ class Shard:
             self._reregister = True
 
     async def _run(self) -> None:
-        backoff = BACKOFF_S[0]
+        backoff = Backoff(*BACKOFF_S)
         while True:
             timer = asyncio.timeout(self.stuck_s)
             try:
@@ -169,15 +169,14 @@ class Shard:
                 if reply is None:
                     continue
                 self.reads += 1
-                backoff = BACKOFF_S[0]
+                backoff.succeeded()
             except Exception as exc:  # noqa: BLE001 - a shard's readers must not be left
                 err: Exception = exc
                 if timer.expired():
                     err = Stuck(f"{self._doing} took over {self.stuck_s:g} s")
-                survived(f"log tail read (retrying in {backoff:.2f} s)", err)
+                survived(f"log tail read (retrying in {backoff.next_s:.2f} s)", err)
                 self._reregister = True
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, BACKOFF_S[1])
+                await backoff.wait()
                 continue
             for _key, entries in replies.streams_of(reply):
                 self._woken(entries)
