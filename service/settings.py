@@ -260,7 +260,7 @@ class Settings:
             choice = CHOICES.get(str(field.type))
             if choice is not None:
                 object.__setattr__(self, field.name, _choice(choice, field.name, value))
-            elif value is not None and not isinstance(value, bool | str | Path):
+            elif isinstance(value, int | float):  # (a bool too: no bound of its own)
                 _check_bounds(field.name, value)
 
     @property
