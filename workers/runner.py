@@ -2,7 +2,7 @@
 
 Per partition, a claim loop takes jobs as the worker's slots allow and serves each one
 as a task of its own (``serve.Serve``: ownership, generation, the ending). The presence
-watch (``presence.PresenceWatch``) turns cancels and departed readers into decisions,
+watch (``owner_watch.OwnerWatch``) turns cancels and departed readers into decisions,
 which ``decide`` hands to the request as a signal and acts on at once (the engine
 aborts); a heartbeat tells the API processes this worker is alive.
 
@@ -40,7 +40,7 @@ from service.tokenize import ModelInfo
 from workers.engines.base import Engine
 from workers.generate import Generation
 from workers.metrics import ABORTS, RUNNING, SLOTS
-from workers.presence import PresenceWatch
+from workers.owner_watch import OwnerWatch
 from workers.serve import Serve
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class Runner:
             self.log, interval_s=settings.flush_interval_ms / 1000, feed=feed
         )
         self.generation = Generation(engine, model, self.batcher, settings.request_deadline_s)
-        self.watch = PresenceWatch(
+        self.watch = OwnerWatch(
             self.owner,
             settings.worker_id,
             check_s=settings.presence_check_s,

@@ -5,6 +5,7 @@ after the POST's ``Last-Event-ID``; its reader takes a lease of its own)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from litestar import Request, Response
@@ -61,8 +62,7 @@ async def completion(
     cursor, param = intake.event_cursor(request) if acc.replayed else (None, "after")
     looked = resume.Looked(created)  # (found by the caller's key: its tenant's)
     if cursor is not None:  # a replay, after the retried POST's Last-Event-ID
-        _, known, last = await ctx.log.look(rid, cursor.event)
-        looked = resume.Looked(created, last, known)
+        looked = dataclasses.replace(await ctx.log.look(rid, cursor.event), first=created)
     match resume.event_plan(rid, created.tenant, looked, cursor):
         case resume.UnknownCursor(cursor=foreign):
             raise intake.foreign_cursor(foreign, rid, param)

@@ -33,6 +33,7 @@ from service.stream import events as ev
 from service.stream.endings import Ending, Failure, Recovery, Request
 from service.stream.ids import EventId
 from service.stream.lifecycle import Meta, State
+from service.stream.resume import Looked
 
 
 class LogError(Exception):
@@ -453,23 +454,27 @@ class RedisLog:
         await self._committed(request_id, mark)
         return [(_decode_id(entry_id), fields[EVENT_FIELD]) for entry_id, fields in raw]
 
-    async def look(
-        self, request_id: str, event_id: EventId | None
-    ) -> tuple[tuple[EventId, ev.Event] | None, bool, tuple[EventId, ev.Event] | None]:
-        """One round trip for a reconnect: (first entry, whether ``event_id`` is an entry
-        of this log, last entry)."""
+    async def look(self, request_id: str, event_id: EventId | None) -> Looked:
+        """One round trip for a reconnect: the log's first entry, whether ``event_id`` is
+        an entry of this log, and its last two entries (a cursor on an in-band error sits
+        just before an end that renders nothing)."""
         key = self.keys.log(request_id)
         pipe = self.redis.pipeline(transaction=False)
         pipe.xrange(key, count=1)
         if event_id is not None:
             pipe.xrange(key, min=str(event_id), max=str(event_id), count=1)
-        pipe.xrevrange(key, count=1)
+        pipe.xrevrange(key, count=2)
         mark = self._mark(request_id)
         results: Any = await pipe.execute()
         await self._committed(request_id, mark)
-        first, last = _entries(results[0]), _entries(results[-1])
+        first, tail = _entries(results[0]), _entries(results[-1])
         found = bool(results[1]) if event_id is not None else False
-        return (first[0] if first else None), found, (last[0] if last else None)
+        return Looked(
+            first[0][1] if first else None,
+            tail[0] if tail else None,
+            found,
+            before_last=tail[1] if len(tail) > 1 else None,
+        )
 
     async def first(self, request_id: str) -> ev.Created | None:
         found = await self.first_with_id(request_id)

@@ -8,8 +8,10 @@ returns decisions, the caller acts on them):
 ``NotYours``       no log, another tenant's, or another kind's: the one 404 (nothing tells
                    them apart)
 ``UnknownCursor``  the cursor is no event of this request: a 400 ``invalid_event_id``
-``NothingToSend``  the cursor is past the terminal event's last frame: 204, the SSE
-                   standard's "stop reconnecting"
+``NothingToSend``  nothing renders after the cursor and the log has ended (the cursor
+                   is past the terminal event's last frame, or on an in-band error
+                   whose end renders nothing): 204, the SSE standard's "stop
+                   reconnecting"
 ``FromHotLog``     follow the hot log after the cursor, to its end
 ``FromArchive``    the whole log is in hand (archived, or ended): render it after the cursor
 
@@ -42,6 +44,7 @@ class Looked:
     last: tuple[EventId, Event] | None = None
     known: bool = False
     hot: bool = True
+    before_last: tuple[EventId, Event] | None = None  # the entry before ``last``, if read
 
     @classmethod
     def whole(
@@ -51,7 +54,8 @@ class Looked:
         if not entries:
             return cls(None, None, False, hot)
         known = cursor is not None and any(eid == cursor.event for eid, _ in entries)
-        return cls(entries[0][1], entries[-1], known, hot)
+        before_last = entries[-2] if len(entries) > 1 else None
+        return cls(entries[0][1], entries[-1], known, hot, before_last)
 
     @property
     def ended(self) -> bool:
@@ -72,7 +76,7 @@ class UnknownCursor:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class NothingToSend:
-    """The client has it all: the cursor is the terminal event, past its last frame."""
+    """The client has it all: the log ended, and nothing renders after the cursor."""
 
 
 @dataclasses.dataclass(frozen=True)  # (not slots: on 3.11 a slotted generic fails in X[int](...))
@@ -104,15 +108,22 @@ def owner(first: Event | None, tenant: str, kind: Kind | None = None) -> Created
     return first
 
 
-def all_sent(
-    rid: str, created: Created, last: tuple[EventId, Event] | None, cursor: Cursor | None
-) -> bool:
-    """The cursor is on the terminal event, past its last frame: the client has it all."""
+def all_sent(rid: str, created: Created, looked: Looked, cursor: Cursor | None) -> bool:
+    """The log has ended and nothing renders after the cursor: the client has it all.
+    The cursor is on the terminal event, past its last frame -- or on the entry before it
+    when the end renders nothing (an errored request: its last frame is the in-band error,
+    and that is the id a client reconnects with)."""
+    last = looked.last
     if cursor is None or last is None or not isinstance(last[1], End):
         return False
-    if cursor.event != last[0]:
+    if cursor.event == last[0]:
+        tail = [last]
+    elif looked.before_last is not None and cursor.event == looked.before_last[0]:
+        tail = [looked.before_last, last]
+    else:
         return False
-    return not sse_event_frames(ChunkRenderer(rid, created), last[0], last[1], cursor)
+    renderer = ChunkRenderer(rid, created)
+    return not any(sse_event_frames(renderer, eid, event, cursor) for eid, event in tail)
 
 
 def event_plan(rid: str, tenant: str, looked: Looked, cursor: Cursor | None) -> EventPlan:
@@ -124,7 +135,7 @@ def event_plan(rid: str, tenant: str, looked: Looked, cursor: Cursor | None) -> 
     if cursor is not None:
         if not looked.known:
             return UnknownCursor(cursor)
-        if all_sent(rid, created, looked.last, cursor):
+        if all_sent(rid, created, looked, cursor):
             return NothingToSend()
     if looked.hot:
         return FromHotLog(created, cursor)

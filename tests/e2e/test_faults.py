@@ -88,6 +88,24 @@ def test_engine_failure_is_an_in_band_error(faulty: Stack) -> None:
     assert row["completion_tokens"] == 5
 
 
+def test_a_reconnect_after_the_in_band_error_is_told_to_stop(faulty: Stack) -> None:
+    """An errored stream's last id is its in-band error's: an EventSource that reconnects
+    with it gets 204 (stop), not an empty 200 after which it would reconnect for ever; a
+    reconnect from before the error still gets the error."""
+    with httpx.Client(base_url=faulty.url, timeout=30) as client:
+        headers, events = read_all(
+            client, "POST", "/v1/chat/completions", json=chat_body(faulty.model, LONG, stream=True)
+        )
+        rid = headers["x-request-id"]
+        assert _error_event(events[-1:])["code"] == "engine_failure"
+        done = client.get(f"/v1/requests/{rid}/events", headers={"Last-Event-ID": events[-1].id})
+        assert done.status_code == 204 and done.content == b""
+        _, rest = read_all(
+            client, "GET", f"/v1/requests/{rid}/events", headers={"Last-Event-ID": events[-2].id}
+        )
+        assert [(e.id, e.data) for e in rest] == [(e.id, e.data) for e in events[-1:]]
+
+
 def test_a_bug_in_the_worker_ends_the_request_errored(crashing: Stack) -> None:
     """Not an engine error, not a dead worker: the worker itself fails mid-request. The
     reader gets an in-band internal_error and the request a terminal state and a billing

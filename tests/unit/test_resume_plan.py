@@ -163,17 +163,18 @@ def test_a_cursor_that_is_not_the_requests_is_refused(case: Case) -> None:
 
 @given(cases())
 def test_nothing_to_send_exactly_when_the_client_has_the_whole_log(case: Case) -> None:
-    """204 for a cursor on the terminal event past its last frame, never while a frame is
-    left or the log may still grow; the stream after the cursor, as given, otherwise.
-    (An errored request's end renders no frame: a cursor on its in-band error is streamed
-    the nothing that is left, as it always was -- the rule names the terminal event.)"""
+    """204 for a cursor on the terminal event past its last frame, or on the entry before
+    it when nothing renders after (an errored request's end renders no frame: its last
+    frame is the in-band error); never while a frame is left or the log may still grow;
+    the stream after the cursor, as given, otherwise."""
     created = case.created
     if created is None or created.tenant != case.tenant:
         return
     plan = resume.event_plan(RID, case.tenant, case.looked, case.cursor)
     if isinstance(plan, resume.UnknownCursor):
         return
-    on_end = case.ended and case.cursor is not None and case.cursor.event == case.entries[-1][0]
+    tail = {eid for eid, _ in case.entries[-2:]}
+    on_end = case.ended and case.cursor is not None and case.cursor.event in tail
     has_it_all = on_end and not case.left()
     assert isinstance(plan, resume.NothingToSend) == has_it_all
     if case.ended and case.cursor == Cursor(case.entries[-1][0]):  # the terminal event's id
@@ -208,3 +209,21 @@ def test_a_cursor_on_the_terminal_events_first_frame_still_gets_the_rest() -> No
         looked = resume.Looked.whole(entries, cursor)
         assert resume.event_plan(RID, "acme", looked, cursor) == expected
         assert resume.event_plan(RID, "globex", looked, cursor) == resume.NotYours()
+
+
+def test_a_cursor_on_the_in_band_error_of_an_ended_request_is_told_to_stop() -> None:
+    """An errored request's last frame is its in-band error (the end renders none): an
+    EventSource reconnecting with that id gets 204 -- not an empty 200, after which it
+    would reconnect for ever. While the log has not ended, it is followed as before."""
+    created = _created("acme", Kind.CHAT, False)
+    error = (EventId(2, 0), Error("boom", "it broke"))
+    cursor = Cursor(EventId(2, 0))
+    ended = resume.Looked.whole([(EventId(1, 0), created), error, (EventId(3, 0), FAILED)], cursor)
+    assert resume.event_plan(RID, "acme", ended, cursor) == resume.NothingToSend()
+    running = resume.Looked.whole([(EventId(1, 0), created), error], cursor, hot=True)
+    assert resume.event_plan(RID, "acme", running, cursor) == resume.FromHotLog(created, cursor)
+    earlier = Cursor(EventId(1, 0))  # the error is still to be sent
+    looked = resume.Looked.whole(
+        [(EventId(1, 0), created), error, (EventId(3, 0), FAILED)], earlier
+    )
+    assert resume.event_plan(RID, "acme", looked, earlier) == resume.FromArchive(created, earlier)

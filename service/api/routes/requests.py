@@ -58,11 +58,9 @@ class RequestsController(Controller):
         headers = {**sse.HEADERS, REQUEST_ID_HEADER: request_id}
         # first entry, the cursor's entry, last entry: one round trip (each await is a turn
         # of a busy event loop, and this is the reconnect latency a client feels)
-        first, known, last = await ctx.log.look(request_id, cursor.event if cursor else None)
+        looked = await ctx.log.look(request_id, cursor.event if cursor else None)
         entries: list[tuple[EventId, Event]] = []
-        if first is not None and isinstance(first[1], Created):
-            looked = resume.Looked(first[1], last, known)
-        else:  # the hot log is gone: one cursor, served from the archive
+        if not isinstance(looked.first, Created):  # the hot log is gone: from the archive
             if ctx.ledger is not None:
                 entries = await ctx.ledger.archived(request_id) or []
             looked = resume.Looked.whole(entries, cursor)

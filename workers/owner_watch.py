@@ -22,7 +22,7 @@ from workers.decide import Abort, RecheckIn, plan
 log = logging.getLogger(__name__)
 
 
-class PresenceWatch:
+class OwnerWatch:
     def __init__(
         self,
         owner: OwnerChannel,
