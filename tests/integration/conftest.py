@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
@@ -62,16 +63,18 @@ async def tail_client(redis_url: str) -> AsyncIterator[tuple[Redis, str]]:
 
 @pytest.fixture
 async def tailer(tail_client: tuple[Redis, str], keys: Keys) -> AsyncIterator[LogTailer]:
-    t = LogTailer(
-        tail_client[0],
-        keys,
-        block_ms=10_000,
-        count=DEFAULTS.tail_count,
-        shard_size=DEFAULTS.tail_shard_size,
-    )
+    t = tailer_on(tail_client[0], keys)
     await t.start()  # no shard, no read yet: each test's first subscribe starts one
     yield t
     await t.stop()
+
+
+def tailer_on(client: Redis, keys: Keys, **given: Any) -> LogTailer:
+    """A tailer reading with ``client``, with the numbers a process takes (Settings') but
+    a 10 s block (a test's reads end by a wake, never by the block's timeout), and a
+    test's own numbers or parts in ``given``."""
+    numbers = {"count": DEFAULTS.tail_count, "shard_size": DEFAULTS.tail_shard_size}
+    return LogTailer(client, keys, **{"block_ms": 10_000, **numbers, **given})
 
 
 def finished(owner: Owner, *events: ev.Event) -> Ending:

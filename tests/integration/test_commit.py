@@ -18,18 +18,14 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from service.settings import Settings
 from service.store.commit import Committer, Durability, Misconfigured, Uncommitted
 from service.store.keys import Keys
 from service.store.log import RedisLog
 from service.store.outbox import Outbox
-from service.store.tail import LogTailer
-from tests.integration.conftest import finished
+from tests.integration.conftest import finished, tailer_on
 from tests.integration.test_redis_log import END, collect, delta, new_request
 from tests.servers import OwnRedis
 from tests.waiting import eventually
-
-DEFAULTS = Settings()  # the numbers a process takes unless told (LASTEVENT_*)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -114,14 +110,7 @@ async def test_a_tail_reader_is_sent_only_what_a_replica_acknowledged(
 ) -> None:
     _, replica = pair
     rlog = RedisLog(client, keys, committer=committer)
-    tailer = LogTailer(
-        client,
-        keys,
-        block_ms=200,
-        count=DEFAULTS.tail_count,
-        shard_size=DEFAULTS.tail_shard_size,
-        committer=committer,
-    )
+    tailer = tailer_on(client, keys, block_ms=200, committer=committer)
     await tailer.start()
     try:
         rid, owner = await new_request(rlog)

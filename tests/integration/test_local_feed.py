@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 
-from service.settings import Settings
 from service.store import replies
 from service.store.batcher import AppendBatcher
 from service.store.keys import Keys
@@ -30,10 +29,8 @@ from service.store.mailbox import Batch, Subscription
 from service.store.tail import LogTailer
 from service.stream import events as ev
 from service.stream.ids import EventId
-from tests.integration.conftest import finished
+from tests.integration.conftest import finished, tailer_on
 from tests.integration.test_redis_log import END, delta, new_request
-
-DEFAULTS = Settings()  # the numbers a process takes unless told (LASTEVENT_*)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,14 +52,7 @@ async def node_batcher(rlog: RedisLog, feed: LocalFeed) -> AsyncIterator[AppendB
 async def node_tailer(
     tail_client: tuple[Redis, str], keys: Keys, feed: LocalFeed
 ) -> AsyncIterator[LogTailer]:
-    t = LogTailer(
-        tail_client[0],
-        keys,
-        block_ms=10_000,
-        count=DEFAULTS.tail_count,
-        shard_size=DEFAULTS.tail_shard_size,
-        feed=feed,
-    )
+    t = tailer_on(tail_client[0], keys, feed=feed)
     await t.start()
     yield t
     await t.stop()

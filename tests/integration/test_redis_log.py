@@ -37,7 +37,7 @@ from service.store.tail import LogTailer
 from service.stream import events as ev
 from service.stream.ids import EventId
 from service.stream.params import SamplingParams
-from tests.integration.conftest import finished
+from tests.integration.conftest import finished, tailer_on
 from tests.waiting import eventually
 
 DEFAULTS = Settings()  # the numbers a process takes unless told (LASTEVENT_*)
@@ -208,13 +208,7 @@ async def test_terminal_append_right_sizes_the_log(
         )
     before = await redis.memory_usage(keys.log(request_id), samples=0)
     entries_before = await rlog.read(request_id)
-    tailer = LogTailer(
-        tail_client[0],
-        keys,
-        block_ms=10_000,
-        count=DEFAULTS.tail_count,
-        shard_size=DEFAULTS.tail_shard_size,
-    )
+    tailer = tailer_on(tail_client[0], keys)
     await tailer.start()
     try:
         sub = tailer.subscribe(request_id, entries_before[-1][0])
@@ -386,13 +380,7 @@ async def test_tailer_shards_logs_and_reuses_room(
 ):
     """Shards of at most ``shard_size`` logs (a read names only its shard's logs);
     two readers of one log share its shard; a freed place is taken again."""
-    tailer = LogTailer(
-        tail_client[0],
-        keys,
-        block_ms=10_000,
-        count=DEFAULTS.tail_count,
-        shard_size=7,
-    )
+    tailer = tailer_on(tail_client[0], keys, shard_size=7)
     await tailer.start()
     try:
         requests = [await new_request(rlog) for _ in range(20)]

@@ -18,13 +18,12 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from service.settings import Settings
 from service.store import replies, tail
 from service.store.batcher import AppendBatcher
 from service.store.keys import LOG_FIELD, WAKE_BATCHED, Keys
 from service.store.log import Append, RedisLog
 from service.store.tail import LogTailer
-from tests.integration.conftest import finished
+from tests.integration.conftest import finished, tailer_on
 from tests.integration.test_redis_log import (
     END,
     collect,
@@ -34,8 +33,6 @@ from tests.integration.test_redis_log import (
     until_blocked,
 )
 from tests.waiting import eventually
-
-DEFAULTS = Settings()  # the numbers a process takes unless told (LASTEVENT_*)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -220,13 +217,7 @@ async def test_a_shard_survives_an_error_that_is_not_a_store_error(
     """Whatever a read raises (here a RuntimeError, as a Redis client not mapping one of
     its errors would), the shard logs it and goes on: its readers are not left with
     pings for ever (a cluster failover killed a shard's loop so, before)."""
-    tailer = LogTailer(
-        tail_client[0],
-        keys,
-        block_ms=10_000,
-        count=DEFAULTS.tail_count,
-        shard_size=DEFAULTS.tail_shard_size,
-    )
+    tailer = tailer_on(tail_client[0], keys)
     reader = tailer._reader  # (the client its shards read with)
     send = reader.xread
     broken = {"left": 2}
