@@ -56,29 +56,7 @@ class Limits:
     def __init__(self, redis: Redis, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
-        self._admit = Admit(redis, keys)
-
-    async def admit(
-        self,
-        who: str,
-        request_id: str,
-        *,
-        now_ms: int,
-        max_in_flight: int,
-        per_minute: int,
-        slot_expiry_ms: int,
-    ) -> tuple[Admitted, int]:
-        """Count the request against ``who``'s limits (0: none); returns the verdict and,
-        when refused, the milliseconds until it may try again. The in-flight slot is freed
-        by the script that writes the request's terminal event."""
-        return await self._admit(
-            who,
-            request_id,
-            now_ms=now_ms,
-            max_in_flight=max_in_flight,
-            per_minute=per_minute,
-            slot_expiry_ms=slot_expiry_ms,
-        )
+        self.admit = Admit(redis, keys)  # count a request against its key's limits
 
     async def hold(self, who: str, request_id: str, *, slot_expiry_ms: int) -> None:
         """Count a request that goes on again (a reader came back to it parked) in flight,

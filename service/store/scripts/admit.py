@@ -27,7 +27,9 @@ class Admit:
         per_minute: int,
         slot_expiry_ms: int,
     ) -> tuple[Admitted, int]:
-        """The verdict, and when refused the ms until a retry may pass."""
+        """Count the request against ``who``'s limits (0: none); returns the verdict and,
+        when refused, the milliseconds until it may try again. The in-flight slot is freed
+        by the request's ending (``admission.free_slots``)."""
         keys = [self.keys.inflight(who), self.keys.rate(who, now_ms // 60_000)]
         args: list[Any] = [now_ms, max_in_flight, per_minute, request_id, slot_expiry_ms]
         verdict, *rest = await self._script(keys=keys, args=args)
