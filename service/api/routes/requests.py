@@ -56,8 +56,8 @@ class RequestsController(Controller):
         # after the cursor's check, as for an id that never existed (same answers)
         checked_request_id(request_id)
         headers = {**sse.HEADERS, REQUEST_ID_HEADER: request_id}
-        # first entry, the cursor's entry, last entry: one round trip (each await is a turn
-        # of a busy event loop, and this is the reconnect latency a client feels)
+        # first entry, the cursor's entry, last two entries: one round trip (each await is
+        # a turn of a busy event loop, and this is the reconnect latency a client feels)
         looked = await ctx.log.look(request_id, cursor.event if cursor else None)
         entries: list[tuple[EventId, Event]] = []
         if not isinstance(looked.first, Created):  # the hot log is gone: from the archive
