@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import httpx
 import pytest
 import pytest_asyncio
+import redis
 from httpx_sse import EventSource
 
 from service.settings import MODEL_NAME, Settings
@@ -58,7 +59,6 @@ from tests.e2e.test_cpu_takeover import (
 from tests.e2e.test_park import meta
 from tests.e2e.test_takeover import (
     Stream,
-    logged_text,
     now,
     reconcile_clean,
     takeover_db,  # noqa: F401 - a fixture: a database of this module's own
@@ -410,33 +410,57 @@ def slots_offered(st: Stack) -> int:
     return sum(Heartbeat.decode(raw).slots for raw in st.store().hgetall(keys.workers).values())
 
 
+STEP_S = 0.05  # vLLM runs this long between two looks at the log (about a token here)
+QUIET_S = 0.2  # the log still this long with vLLM frozen: the worker logged what it sent
+
+
 def freeze_vllm_when(
     vllm_serve: VllmServe, st: Stack, stream: Stream, ready: Callable[[str], bool]
 ) -> str:
-    """SIGSTOP vLLM's process group the moment the stream's logged text satisfies
-    ``ready`` (the log followed append by append with a blocking XREAD, so a fast answer
-    cannot slip past the window between two looks); returns the logged text once vLLM is
-    frozen. Fails at once, saying what the log held, if the request ends first or the
-    answer was already past the window when vLLM stopped."""
+    """Step vLLM until the stream's logged text satisfies ``ready``; returns that text,
+    vLLM left frozen (SIGSTOP of its process group). vLLM is frozen whenever the log is
+    looked at, and runs ``STEP_S`` at a time in between: a test process that is slow to
+    look (a loaded machine) cannot let the answer run past the cut, as it could when vLLM
+    ran free and the test raced it (CI failed twice so, the answer ended at 'Once upon').
+    Fails at once, showing the whole log, if the request ends before the cut."""
     client, key = (
         st.store(),
         Keys(st.settings.key_prefix, st.settings.partitions).log(stream.request_id),
     )
-    last, seen = b"0-0", ""
+    last, seen, steps = b"0-0", "", 0
+    vllm_serve.send(signal.SIGSTOP)
     deadline = time.monotonic() + RESTART_S
     while time.monotonic() < deadline:
-        for _, entries in client.xread({key: last}, block=1000) or []:
-            for entry_id, fields in entries:
-                last, event = entry_id, ev.decode(fields[b"e"])
-                seen += event.text if isinstance(event, ev.Delta) else ""
+        # vLLM is frozen: what it sent reaches the log, which then stays as it is
+        while found := client.xread({key: last}, block=int(QUIET_S * 1000)):
+            for _, entries in found:
+                for entry_id, fields in entries:
+                    last, event = entry_id, ev.decode(fields[b"e"])
+                    seen += event.text if isinstance(event, ev.Delta) else ""
         if ready(seen):
-            vllm_serve.send(signal.SIGSTOP)
-            shown = logged_text(st, stream.request_id)  # what was on the wire is appended
-            assert ready(shown), f"the answer ran past the cut before vLLM stopped: {shown!r}"
-            return shown
+            return seen
         state = state_of(st, stream.request_id)
-        assert state in ("queued", "running"), f"the request ended ({state}) at {seen!r}"
+        assert state in ("queued", "running"), (
+            f"the request ended ({state}) before the cut, after {steps} steps of vLLM:\n"
+            + log_story(client, key)
+            + "\nthe worker's log:\n"
+            + st.tail("w", 4000)
+        )
+        vllm_serve.send(signal.SIGCONT)
+        time.sleep(STEP_S)
+        vllm_serve.send(signal.SIGSTOP)
+        steps += 1
     raise AssertionError(f"the log never reached the wanted cut: {seen!r}")
+
+
+def log_story(client: redis.Redis, key: str) -> str:
+    """The log, one line per entry: when it was appended (its id's milliseconds) and
+    its event, shortened."""
+    lines = []
+    for entry_id, fields in client.xrange(key):
+        event = ev.decode(fields[b"e"])
+        lines.append(f"{entry_id.decode()} {str(event)[:200]}")
+    return "\n".join(lines)
 
 
 # -- text mode in front of the same vllm serve: the conversation in, text out ----------
