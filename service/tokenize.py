@@ -87,14 +87,14 @@ class ModelInfo:
             messages=messages, add_generation_prompt=add_generation_prompt, **extra
         )
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """tokenizers' ``encode`` holds the GIL throughout (3.6 s over a 10 MB prompt,
         measured), so an API process rendering a large prompt on a thread answered nobody
         meanwhile; its ``encode_batch`` lets the GIL go while it works, for a few
         microseconds more, so a long text takes that path (the same ids)."""
         if len(text) <= GIL_HELD_CHARS:
-            return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
-        [encoding] = self.tokenizer.encode_batch([text], add_special_tokens=False)
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        [encoding] = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
         return list(encoding.ids)
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:

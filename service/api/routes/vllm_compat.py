@@ -84,9 +84,7 @@ def token_ids(model: ModelInfo, data: TokenizeRequest) -> list[int]:
         generation = True if data.add_generation_prompt is None else data.add_generation_prompt
         text = chat_prompt(model, data.messages, generation)
         special = bool(data.add_special_tokens)
-    if not special:
-        return model.encode(text)  # what the completion routes tokenize
-    return list(model.tokenizer.encode(text, add_special_tokens=True).ids)
+    return model.encode(text, add_special_tokens=special)  # (False: what completions use)
 
 
 class VllmCompatController(Controller):
