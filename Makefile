@@ -148,7 +148,7 @@ bench-guidellm: $(VLLM_STAMP) $(GUIDELLM_STAMP)  ## GuideLLM, unmodified: vLLM's
 test-fast: $(STAMP)  ## the unit tests: pure protocol and layout, no servers, no torch (seconds)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
-lint: $(STAMP)  ## the static gates CI runs first: ruff, ruff format, mypy strict, the layout rules, the layout rules
+lint: $(STAMP)  ## the static gates CI runs first: ruff, ruff format, mypy strict, the layout rules
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
